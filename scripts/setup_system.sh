@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs the system packages the sandboxes need (as root, via apt-get), once. Idempotent.
+set -euo pipefail
+need=()
+command -v bwrap >/dev/null || need+=(bubblewrap)
+command -v setpriv >/dev/null || need+=(util-linux)
+if ((${#need[@]})); then
+  if [ "$(id -u)" != 0 ]; then
+    echo "error: missing system packages: ${need[*]}; install them with: sudo apt-get install ${need[*]}" >&2
+    exit 2
+  fi
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
