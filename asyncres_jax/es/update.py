@@ -1,0 +1,144 @@
+"""The ES step: rebuild each member's noise from its seed, leaf by leaf, and apply an optax update.
+
+    estimate g = -(1/N) * sum_i z_i eps_i        (or / (N sigma) with divide_by_sigma)
+    theta     <- theta + optax(g)                (optax minimises, hence the minus sign)
+With the default optax.sgd(alpha) this is theta + alpha/N * sum_i z_i eps_i, the paper's rule.
+
+Memory: for each leaf one jitted call scans the members and accumulates sum z_i eps_i in float32, so beyond the
+parameters (and the optimiser state) only about one leaf's worth of buffers is alive at a time. With
+donate=True the old parameter and optimiser-state buffers are reused for the new ones. In lowrank mode a
+matrix's sum is one matmul of the stacked factors: sum_i z_i A_i B_i^T = [z_i A_i]_i [B_i]_i^T.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from asyncres_jax.errors import UserError
+from asyncres_jax.es.config import ESConfig
+from asyncres_jax.es.noise import (
+    check_seed,
+    constrain,
+    is_lowrank_leaf,
+    leaf_factors,
+    leaf_ids,
+    leaf_key,
+    leaf_noise,
+    named_shardings,
+)
+from asyncres_jax.es.shaping import check_fitness, shape_fitness
+
+
+class ESState(NamedTuple):
+    opt: Any  # the params' tree with every leaf replaced by that leaf's optax state
+    init_params: Any  # float32 copy of the initial parameters when weight_decay > 0 (the decay's anchor), else None
+
+
+def optimizer(cfg: ESConfig) -> optax.GradientTransformation:
+    if cfg.optimizer == "adam":
+        return optax.adam(cfg.alpha, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps)
+    return optax.sgd(cfg.alpha)
+
+
+def init(params, cfg: ESConfig) -> ESState:
+    """Optimiser state for `params` (float32 master parameters recommended: see PAPER.md on bf16 masters)."""
+    tx = optimizer(cfg)
+    opt = jax.tree.map(tx.init, params)
+    anchor = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params) if cfg.weight_decay > 0 else None
+    return ESState(opt=opt, init_params=anchor)
+
+
+def member_coefficients(shaped_n: np.ndarray, cfg: ESConfig) -> np.ndarray:
+    """One coefficient per seed: z_i, or z_2k - z_2k+1 for the antithetic pair (+eps_k, -eps_k)."""
+    return shaped_n[0::2] - shaped_n[1::2] if cfg.antithetic else shaped_n
+
+
+def _check_seeds(seeds, cfg: ESConfig) -> np.ndarray:
+    seeds_s = np.asarray(seeds)
+    if seeds_s.shape != (cfg.num_seeds,) or not np.issubdtype(seeds_s.dtype, np.integer):
+        what = "N/2 seeds (one per antithetic pair)" if cfg.antithetic else "N seeds (one per member)"
+        raise UserError(f"got seeds of shape {seeds_s.shape} and dtype {seeds_s.dtype}; pass {what}: "
+                        f"{cfg.num_seeds} integers for population={cfg.population}")
+    for s in seeds_s.tolist():
+        check_seed(s)
+    return seeds_s.astype(np.int32)
+
+
+def leaf_estimate(seeds_s, coeffs_s, leaf_id, shape, cfg: ESConfig, sharding) -> jax.Array:
+    """sum_s coeffs_s * eps_s of one leaf, float32, members rebuilt from their seeds."""
+    if is_lowrank_leaf(shape, cfg):
+        f = jax.vmap(lambda s: leaf_factors(leaf_key(s, leaf_id), shape, cfg.rank))(seeds_s)  # a: [S, ..., m, r]
+        a_smr = f.a * coeffs_s.reshape((-1,) + (1,) * len(shape))
+
+        def stack(x):  # [S, ..., k, r] -> [..., k, S*r]
+            x = jnp.moveaxis(x, 0, -2)
+            return x.reshape(*x.shape[:-2], -1)
+
+        ab = jnp.einsum("...mk,...nk->...mn", stack(a_smr), stack(f.b), precision=jax.lax.Precision.HIGHEST)
+        return constrain(ab / np.float32(math.sqrt(cfg.rank)), sharding)
+
+    def add_member(acc, seed_coeff):
+        seed, coeff = seed_coeff
+        return acc + coeff * constrain(leaf_noise(leaf_key(seed, leaf_id), shape, cfg), sharding), None
+
+    acc = constrain(jnp.zeros(shape, jnp.float32), sharding)
+    return jax.lax.scan(add_member, acc, (seeds_s, coeffs_s))[0]
+
+
+def _leaf_step(param, opt_state, anchor, seeds_s, coeffs_s, leaf_id, cfg: ESConfig, sharding):
+    est = leaf_estimate(seeds_s, coeffs_s, leaf_id, param.shape, cfg, sharding)
+    scale = cfg.population * (cfg.sigma if cfg.divide_by_sigma else 1.0)
+    updates, opt_state = optimizer(cfg).update(est * np.float32(-1.0 / scale), opt_state, param)
+    theta = param.astype(jnp.float32)
+    new = theta + updates
+    if anchor is not None:
+        new = new - np.float32(cfg.alpha * cfg.weight_decay) * (theta - anchor)
+    return constrain(new.astype(param.dtype), sharding), opt_state
+
+
+_step = jax.jit(_leaf_step, static_argnums=(6, 7))
+_step_donating = jax.jit(_leaf_step, static_argnums=(6, 7), donate_argnums=(0, 1))
+
+
+def apply_logged_update(params, opt_state: ESState, seeds, shaped_fitness, cfg: ESConfig, *, donate: bool = False):
+    """One ES step from already shaped fitness z [N] (what a replay log stores next to the seeds).
+
+    Deterministic: two copies applying the same (seeds, shaped_fitness) log stay bit-identical, on any mesh.
+    donate=True lets XLA reuse the old parameter and optimiser-state buffers (the caller's `params` and
+    `opt_state` are then invalid); the default leaves them untouched.
+    """
+    seeds_s = _check_seeds(seeds, cfg)
+    coeffs_s = member_coefficients(check_fitness(shaped_fitness, cfg).astype(np.float32), cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [x for _, x in flat]
+    for kp, x in flat:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise UserError(f"parameter {jax.tree_util.keystr(kp)} has dtype {x.dtype}; ES perturbs floating leaves only")
+    try:
+        opt_leaves = treedef.flatten_up_to(opt_state.opt)
+        anchors = treedef.flatten_up_to(opt_state.init_params) if cfg.weight_decay > 0 else [None] * len(leaves)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"opt_state does not match the parameters or the config ({e}); build it with es.init(params, cfg)")
+    step = _step_donating if donate else _step
+    new_params, new_opt = [], []
+    for x, s, anchor, lid, sharding in zip(leaves, opt_leaves, anchors, leaf_ids(params, cfg), named_shardings(leaves)):
+        p, s = step(x, s, anchor, seeds_s, coeffs_s, np.uint32(lid), cfg, sharding)
+        new_params.append(p)
+        new_opt.append(s)
+    return treedef.unflatten(new_params), ESState(opt=treedef.unflatten(new_opt), init_params=opt_state.init_params)
+
+
+def update(params, opt_state: ESState, seeds, fitness, cfg: ESConfig, *, donate: bool = False):
+    """One ES step from raw member fitness [N]: shape_fitness, then apply_logged_update.
+
+    `seeds` are the members' seeds (N of them, or N/2 with antithetic pairs; fitness is then in member order
+    +k, -k). Log (seeds, es.shape_fitness(fitness, cfg)) to replay this step elsewhere with apply_logged_update.
+    """
+    return apply_logged_update(params, opt_state, seeds, shape_fitness(fitness, cfg), cfg, donate=donate)
