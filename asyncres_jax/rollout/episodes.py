@@ -1,0 +1,310 @@
+"""The episode runner: a batch of multi-turn terminal episodes played together by one policy.
+
+Each turn, the policy writes one reply for every live episode in a single call (for a model: one batched
+generation), the commands of that turn run in their sandboxes in parallel, and episodes that ended leave the
+batch (and are graded and torn down at once, while the rest play on). The protocol is in protocol.py.
+
+An episode ends when the policy says done, after `max_turns` replies, or when its wall-clock budget runs out;
+a timed-out episode scores 0 and is not graded (PAPER.md). Its clock starts once its sandbox is up.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from asyncres_jax.envs.sandbox import OUTPUT_CAP, Backend, Grade, Sandbox
+from asyncres_jax.errors import UserError
+from asyncres_jax.rollout import protocol
+
+if TYPE_CHECKING:
+    from asyncres_jax.envs.task import Task
+
+Message = dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeConfig:
+    max_turns: int = 16  # replies per episode
+    max_new_tokens: int = 2048  # tokens generated per reply at most
+    context_limit: int = 16384  # rolling context of the generation engine, in tokens
+    episode_timeout_s: float = 300.0  # wall clock per episode; a timed-out episode scores 0, ungraded
+    command_timeout_s: float = 30.0  # one command's limit; its process tree is killed after it
+    output_cap: int = OUTPUT_CAP  # characters of command output an observation keeps
+    temperature: float = 0.6
+    top_p: float = 1.0
+    max_workers: int = 16  # threads starting sandboxes, running commands and grading at once
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_new_tokens", "context_limit", "output_cap", "max_workers"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"episode {name}={getattr(self, name)} is not valid; it must be > 0")
+        for name in ("episode_timeout_s", "command_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"episode {name}={getattr(self, name)} is not valid; it must be > 0 seconds")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise UserError(
+                f"episode sampling temperature={self.temperature}, top_p={self.top_p} is not valid; "
+                "use temperature >= 0 and 0 < top_p <= 1"
+            )
+
+    @classmethod
+    def from_sections(cls, episode: Any, sandbox: Any = None) -> "EpisodeConfig":
+        """Build from the run config's `episode` (and optionally `sandbox`) sections (asyncres_jax.config)."""
+        kw = {f.name: getattr(episode, f.name) for f in dataclasses.fields(cls) if hasattr(episode, f.name)}
+        if sandbox is not None and hasattr(sandbox, "max_parallel"):
+            kw["max_workers"] = sandbox.max_parallel
+        return cls(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenState:
+    """One episode's conversation as the model saw it: what GRPO trains on."""
+
+    ids: np.ndarray  # [T] int32 token ids
+    generated_mask: np.ndarray  # [T] bool, True where the model generated the token
+    logprobs: np.ndarray  # [T] float32 log-prob of each generated token under the sampling distribution (0 elsewhere)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """Seconds, by the runner's clock. `generate` is the time of the batched policy calls the episode was in."""
+
+    sandbox_start: float = 0.0
+    generate: float = 0.0
+    commands: float = 0.0
+    grade: float = 0.0
+    total: float = 0.0  # from the start of the episode's clock to the end of its grading
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeResult:
+    task_id: str
+    reward: float  # 1.0 if the final-state tests pass, else 0.0 (0.0 when timed out)
+    partial: float  # fraction of final-state tests that passed
+    turns: int  # replies the policy wrote
+    end: str  # "done" | "max_turns" | "timeout"
+    graded: bool  # False for timed-out episodes: their tests are not run
+    transcript: list[Message]  # system, task, then the replies, observations and nudges in order
+    commands: list[str]  # the commands that ran, in order
+    tokens: TokenState | None  # None for policies without a model (scripted)
+    timings: Timings
+    grade: Grade | None = None
+
+    @property
+    def timed_out(self) -> bool:
+        return self.end == "timeout"
+
+
+# ---------------------------------------------------------------------------------------------------- policies
+
+
+class PolicyBatch(abc.ABC):
+    """A policy playing one batch of episodes (rows 0..n-1, in the order of the tasks)."""
+
+    @abc.abstractmethod
+    def step(self, rows: Sequence[int], new_messages: Sequence[Sequence[Message]]) -> list[str]:
+        """Write one reply for each live episode in `rows` (ascending; rows absent now have left for good).
+
+        new_messages[k] are the messages added to row rows[k]'s conversation since its last reply (none on the
+        first turn): an observation or the nudge, as user messages.
+        """
+
+    def token_states(self) -> dict[int, TokenState]:
+        """After the last step: the token state of every row that has one (none for scripted policies)."""
+        return {}
+
+
+class Policy(abc.ABC):
+    @abc.abstractmethod
+    def begin(self, conversations: Sequence[Sequence[Message]], seed: int) -> PolicyBatch:
+        """Start a batch of episodes from their first messages (system prompt and task)."""
+
+
+class ScriptedPolicy(Policy):
+    """Replies from fixed scripts: each script entry becomes one reply; `<action>done</action>` once it runs out.
+
+    With wrap=True (the default) entries are shell commands and are wrapped in <command> tags; with wrap=False
+    they are whole replies, so tests can send malformed ones. One script for every episode, or one per episode.
+    """
+
+    def __init__(self, commands: Sequence[str] = (), *, scripts: Sequence[Sequence[str]] | None = None,
+                 wrap: bool = True):
+        if isinstance(commands, str):
+            raise TypeError("commands is a list of strings, one per reply")
+        self.commands, self.scripts, self.wrap = list(commands), scripts, wrap
+
+    def reply(self, entry: str) -> str:
+        return f"<command>{entry}</command>" if self.wrap else entry
+
+    def begin(self, conversations, seed):
+        if self.scripts is not None and len(self.scripts) != len(conversations):
+            raise ValueError(f"{len(self.scripts)} scripts for {len(conversations)} episodes")
+        scripts = [list(s) for s in self.scripts] if self.scripts is not None else [self.commands] * len(
+            conversations)
+        return _ScriptedBatch(self, scripts)
+
+
+class _ScriptedBatch(PolicyBatch):
+    def __init__(self, policy: ScriptedPolicy, scripts: list[list[str]]):
+        self.policy, self.scripts, self.turn = policy, scripts, [0] * len(scripts)
+
+    def step(self, rows, new_messages):
+        replies = []
+        for row in rows:
+            script, t = self.scripts[row], self.turn[row]
+            replies.append(self.policy.reply(script[t]) if t < len(script) else "<action>done</action>")
+            self.turn[row] += 1
+        return replies
+
+
+# ---------------------------------------------------------------------------------------------------- the runner
+
+
+@dataclasses.dataclass
+class _Episode:
+    task: Any
+    transcript: list[Message]
+    sandbox: Sandbox | None = None
+    start_s: float = 0.0
+    t0: float = 0.0
+    turns: int = 0
+    end: str | None = None
+    pending: list[Message] = dataclasses.field(default_factory=list)
+    commands: list[str] = dataclasses.field(default_factory=list)
+    generate_s: float = 0.0
+    commands_s: float = 0.0
+    finish: cf.Future | None = None  # grade (unless timed out) + close, running in the pool
+
+    def elapsed(self, clock: Callable[[], float]) -> float:
+        return clock() - self.t0
+
+
+def _start(backend: Backend, task, clock) -> tuple[Sandbox, float]:
+    t = clock()
+    sandbox = backend.start(task)
+    return sandbox, clock() - t
+
+
+def _grade_and_close(ep: _Episode, graded: bool, clock) -> tuple[Grade | None, float, float]:
+    """Returns the grade (None when not graded), the seconds grading took, and the end time of the episode."""
+    t = clock()
+    try:
+        grade = ep.sandbox.grade() if graded else None
+    finally:
+        ep.sandbox.close()
+    end = clock()
+    return grade, end - t, end
+
+
+def run_episodes(
+    policy: Policy,
+    tasks: Sequence["Task"],
+    sandbox_backend: Backend,
+    episode_cfg: EpisodeConfig = EpisodeConfig(),
+    seed: int = 0,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> list[EpisodeResult]:
+    """Play one episode per task, all in one batch; results in the order of `tasks`.
+
+    `clock` (seconds) decides the episode time limit and the timings; tests pass a fake one. Every sandbox this
+    starts is closed before it returns or raises.
+    """
+    cfg = episode_cfg
+    if not tasks:
+        return []
+    eps = [_Episode(task=t, transcript=protocol.first_messages(t.instruction)) for t in tasks]
+    pool = cf.ThreadPoolExecutor(max_workers=min(len(eps), cfg.max_workers), thread_name_prefix="episode")
+    starts: list[cf.Future] = []
+    try:
+        starts = [pool.submit(_start, sandbox_backend, ep.task, clock) for ep in eps]
+        errors = []
+        for ep, fut in zip(eps, starts):  # collect every sandbox that did start, so `finally` closes it
+            try:
+                ep.sandbox, ep.start_s = fut.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below once all starts are accounted for
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+        batch = policy.begin([ep.transcript for ep in eps], seed)
+        t0 = clock()
+        for ep in eps:
+            ep.t0 = t0
+        live = list(range(len(eps)))
+        while live:
+            t = clock()
+            replies = batch.step(live, [eps[i].pending for i in live])
+            gen_s = clock() - t
+            if len(replies) != len(live):
+                raise RuntimeError(f"policy wrote {len(replies)} replies for {len(live)} live episodes")
+            runs = []
+            for i, reply in zip(live, replies):
+                ep = eps[i]
+                ep.pending, ep.generate_s, ep.turns = [], ep.generate_s + gen_s, ep.turns + 1
+                ep.transcript.append({"role": "assistant", "content": reply})
+                if ep.elapsed(clock) >= cfg.episode_timeout_s:
+                    ep.end = "timeout"
+                    continue
+                parsed = protocol.parse_reply(reply)
+                if parsed.kind == "done":
+                    ep.end = "done"
+                elif parsed.kind == "command":
+                    timeout = min(cfg.command_timeout_s, cfg.episode_timeout_s - ep.elapsed(clock))
+                    ep.commands.append(parsed.command)
+                    runs.append((i, timeout, pool.submit(ep.sandbox.run, parsed.command, timeout)))
+                else:
+                    ep.pending = [{"role": "user", "content": protocol.NUDGE}]
+            for i, timeout, fut in runs:
+                ep, result = eps[i], fut.result()
+                ep.commands_s += result.seconds
+                ep.pending = [{"role": "user", "content": protocol.observation(result, timeout, cfg.output_cap)}]
+                out_of_time = result.timed_out and timeout < cfg.command_timeout_s
+                if out_of_time or ep.elapsed(clock) >= cfg.episode_timeout_s:
+                    ep.end = "timeout"
+            for i in live:
+                ep = eps[i]
+                ep.transcript.extend(ep.pending)
+                if ep.end is None and ep.turns >= cfg.max_turns:
+                    ep.end = "max_turns"
+                if ep.end is not None:  # grade and tear down now, while the others play on
+                    ep.finish = pool.submit(_grade_and_close, ep, ep.end != "timeout", clock)
+            live = [i for i in live if eps[i].end is None]
+
+        token_states = batch.token_states()
+        results = []
+        for i, ep in enumerate(eps):
+            grade, grade_s, t_end = ep.finish.result()
+            timings = Timings(
+                sandbox_start=ep.start_s, generate=ep.generate_s, commands=ep.commands_s, grade=grade_s,
+                total=t_end - ep.t0,
+            )
+            results.append(EpisodeResult(
+                task_id=ep.task.name, reward=float(grade.reward) if grade else 0.0,
+                partial=float(grade.partial) if grade else 0.0, turns=ep.turns, end=ep.end,
+                graded=grade is not None, transcript=ep.transcript, commands=ep.commands,
+                tokens=token_states.get(i), timings=timings, grade=grade,
+            ))
+        return results
+    finally:
+        # On success every sandbox was closed by its finish job. After an error: drop queued jobs, close each
+        # sandbox whose finish job never ran (this also kills commands still running in it), then wait.
+        pool.shutdown(wait=False, cancel_futures=True)
+        for ep in eps:
+            if ep.sandbox is not None and (ep.finish is None or ep.finish.cancelled()):
+                try:
+                    ep.sandbox.close()
+                except Exception:  # noqa: BLE001 - keep closing the others; an error is already propagating
+                    pass
+        pool.shutdown(wait=True)
+        for fut in starts:  # a start that finished after an interrupt left its sandbox unclaimed
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                sandbox = fut.result()[0]
+                if all(ep.sandbox is not sandbox for ep in eps):
+                    sandbox.close()
