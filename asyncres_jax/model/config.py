@@ -53,7 +53,7 @@ class ModelConfig:
             raise UserError(f"unsupported hidden_act {act!r} in config.json; only 'silu' (SwiGLU) is implemented")
         if cj.get("mlp_bias"):
             raise UserError("config.json has mlp_bias=true, which this decoder does not implement")
-        if cj.get("use_sliding_window"):
+        if cj.get("use_sliding_window") or any(t != "full_attention" for t in cj.get("layer_types") or ()):
             raise UserError("config.json has use_sliding_window=true, which this decoder does not implement")
         # transformers v5 moved rope_theta (and rope_scaling) into rope_parameters.
         rope = cj.get("rope_parameters") or {}
