@@ -1,0 +1,23 @@
+"""Rollouts: the versioned parameter store, the staleness coordinator, the async worker pool
+(and, in episodes.py, the episode runner)."""
+
+from asyncres_jax.rollout.coordinator import (
+    Accepted,
+    Attempt,
+    Cohort,
+    Coordinator,
+    Job,
+    JobResult,
+    PoolConfig,
+    UpdateMetrics,
+    batch_seeds,
+)
+from asyncres_jax.rollout.pool import Replica, RolloutPool, replicas_from_mesh
+from asyncres_jax.rollout.simulate import Outcome, SimRun, simulate
+from asyncres_jax.rollout.store import LogEntry, ParamStore
+
+__all__ = [
+    "Accepted", "Attempt", "Cohort", "Coordinator", "Job", "JobResult", "LogEntry", "Outcome", "ParamStore",
+    "PoolConfig", "Replica", "RolloutPool", "SimRun", "UpdateMetrics", "batch_seeds", "replicas_from_mesh",
+    "simulate",
+]

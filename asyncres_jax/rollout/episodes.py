@@ -308,3 +308,15 @@ def run_episodes(
                 sandbox = fut.result()[0]
                 if all(ep.sandbox is not sandbox for ep in eps):
                     sandbox.close()
+
+
+def format_transcript(result: EpisodeResult) -> str:
+    """A readable transcript: each message under its role, then how the episode ended and its score."""
+    lines = []
+    for m in result.transcript:
+        lines += [f"--- {m['role']}", m["content"]]
+    score = (f"reward={result.reward:g} partial={result.partial:.2f}" if result.graded
+             else "reward=0 (timed out, not graded)")
+    lines.append(f"=== {result.task_id}: {result.end} after {result.turns} turns, {score}, "
+                 f"{result.timings.total:.2f} s")
+    return "\n".join(lines)

@@ -1,0 +1,457 @@
+"""The staleness coordinator: a deterministic state machine that hands out ES jobs and collects cohorts.
+
+No threads and no clock live here: every call takes `now`, so the same code runs under the threaded pool
+(pool.py, wall clock) and under the event-driven simulator (simulate.py, simulated clock).
+
+Schedules
+- async (max staleness K): a result dispatched at version d and arriving at version v is accepted when
+  v - d <= K, else dropped and counted. Admission control keeps the jobs dispatched in total at most
+  (K + v + 1) * N + dropped: without "+ dropped" every drop would eat headroom for good and async would
+  decay into sync (and finally stall).
+- barrier schedules (no job of version v + 1 is dispatched before cohort v commits):
+  - sync: N jobs per version, all fresh (K = 0).
+  - controlled(m, d): members N - m .. N - 1 of every version v are held back and join cohort v + d, so once
+    warmed up (v >= d) each cohort holds N - m fresh results and m results exactly d updates old. Before
+    that, cohorts are filled with fresh results (N + m jobs per version). Which members are held is fixed by
+    member index, never by arrival order, so the schedule does not favour fast or slow rollouts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Literal, Mapping
+
+import numpy as np
+
+from asyncres_jax.errors import UserError
+
+Mode = Literal["sync", "async", "controlled"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    population: int  # N: accepted results per update
+    num_workers: int  # concurrent rollout workers (threads over all replicas)
+    mode: Mode = "async"
+    max_staleness: int | None = None  # K; None: 1 for async, 0 for sync, `delay` for controlled
+    held_back: int = 0  # m (controlled only)
+    delay: int = 0  # d (controlled only)
+    global_seed: int = 0
+    deadline_seconds: float | None = None  # a job running longer is re-issued (same seed) to another worker
+    max_attempts: int = 3  # a job failing this often stops the pool with the worker's error
+    refund_dropped: bool = True  # the "+ dropped" in admission control (False only to show why it is needed)
+
+    def __post_init__(self):
+        n, w = self.population, self.num_workers
+        if self.mode not in ("sync", "async", "controlled"):
+            raise UserError(f"mode {self.mode!r} is not one of sync, async, controlled")
+        if w < 1:
+            raise UserError(f"num_workers={w}; need at least one rollout worker")
+        if n <= w:
+            raise UserError(
+                f"population N={n} must be larger than the number of workers ({w}); "
+                "use fewer workers or a larger population"
+            )
+        k = self.max_staleness
+        if k is not None and k < 0:
+            raise UserError(f"max_staleness K={k} is negative; use K >= 0 (K = 0 is sync)")
+        if self.mode == "sync" and k not in (None, 0):
+            raise UserError(f"mode=sync means max_staleness=0, got {k}; use mode=async for K > 0")
+        if self.mode == "controlled" and k not in (None, self.delay):
+            raise UserError(f"controlled accepts results exactly delay={self.delay} old; drop max_staleness={k}")
+        if self.mode == "controlled":
+            if not 1 <= self.held_back < n:
+                raise UserError(
+                    f"held_back={self.held_back} does not fit a cohort of N={n}; use 1 <= held_back < N"
+                )
+            if self.delay < 1:
+                raise UserError(f"controlled schedules need delay >= 1 update, got {self.delay}")
+        elif self.held_back or self.delay:
+            raise UserError(f"held_back/delay only apply to mode=controlled (mode is {self.mode})")
+        if self.deadline_seconds is not None and not self.deadline_seconds > 0:
+            raise UserError(f"deadline_seconds={self.deadline_seconds} must be positive (or None for no deadline)")
+        if self.max_attempts < 1:
+            raise UserError(f"max_attempts={self.max_attempts} must be at least 1")
+
+    @property
+    def staleness_bound(self) -> int:
+        """The largest staleness any accepted result can have under this schedule."""
+        if self.mode == "async":
+            return 1 if self.max_staleness is None else self.max_staleness
+        return 0 if self.mode == "sync" else self.delay
+
+    @property
+    def barrier(self) -> bool:
+        return self.mode != "async"
+
+    def fresh_per_version(self, version: int) -> int:
+        """Members of `version` that join cohort `version` itself (the rest are held back)."""
+        if self.mode == "controlled" and version >= self.delay:
+            return self.population - self.held_back
+        return self.population
+
+    def jobs_per_version(self, version: int) -> int:
+        """Jobs a barrier schedule dispatches at `version`."""
+        return self.fresh_per_version(version) + (self.held_back if self.mode == "controlled" else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    job_id: int
+    dispatch_version: int
+    member_index: int
+    member_seed: int
+    task_batch_id: int
+    sampling_seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    fitness: float
+    stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One try at running a job; a re-issued job gets a new attempt with the same Job (same seed)."""
+
+    attempt_id: int
+    job: Job
+    number: int  # 0 for the first try
+    start: float
+    deadline: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Accepted:
+    job: Job
+    fitness: float
+    stats: Mapping[str, Any]
+    arrived: float
+    work_seconds: float  # how long the successful attempt ran
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateMetrics:
+    version: int  # the cohort's version; the commit publishes version + 1
+    time: float
+    wall_seconds: float  # since the previous commit
+    staleness_hist: dict[int, int]
+    dropped: int  # results dropped as too stale since the previous commit
+    wasted_seconds: float  # worker time spent on dropped, failed or timed-out attempts since the previous commit
+    reissued: int
+    busy_seconds: float
+    utilization: float  # busy_seconds / (num_workers * wall_seconds)
+    accepted_seconds: float  # worker time behind the cohort's results
+    result_wait_mean: float  # seconds a cohort result waited between arriving and being committed
+    result_wait_max: float
+    in_flight: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Cohort:
+    """N accepted results ready for one ES update, in canonical (dispatch_version, member_index) order."""
+
+    version: int
+    results: tuple[Accepted, ...]
+    metrics: UpdateMetrics
+
+    @property
+    def seeds(self) -> np.ndarray:
+        return np.asarray([r.job.member_seed for r in self.results])
+
+    @property
+    def fitness(self) -> np.ndarray:
+        return np.asarray([r.fitness for r in self.results], np.float32)
+
+    @property
+    def staleness(self) -> np.ndarray:
+        return np.asarray([self.version - r.job.dispatch_version for r in self.results])
+
+
+def batch_seeds(global_seed: int, version: int) -> tuple[int, int]:
+    """(task_batch_id, sampling_seed) of a version: from (global_seed, version) alone (common random numbers)."""
+    a, b = np.random.SeedSequence([global_seed, version, 0x7A5C]).generate_state(2, np.uint32)
+    return int(a), int(b)
+
+
+def _default_member_seed() -> Callable[[int, int, int], int]:
+    try:
+        from asyncres_jax.es import member_seed
+    except ImportError as e:  # the ES package is written alongside; tests inject their own
+        raise RuntimeError("asyncres_jax.es.member_seed is not available; pass member_seed= explicitly") from e
+    return member_seed
+
+
+class Coordinator:
+    """Jobs out, results in, cohorts out. Every method takes the current time; none blocks."""
+
+    def __init__(self, config: PoolConfig, member_seed: Callable[[int, int, int], int] | None = None):
+        self.config = config
+        self._member_seed = member_seed or _default_member_seed()
+        self.version = 0
+        self._next_member = 0  # member index of the next new job at the current version
+        self._next_job_id = 0
+        self._next_attempt_id = 0
+        self.dispatched = 0  # new jobs (not re-issues)
+        self.dropped = 0
+        self.draining = False
+        self.fatal: BaseException | None = None
+        self._live: dict[int, Attempt] = {}  # running attempts whose result we still want
+        self._abandoned: dict[int, Attempt] = {}  # timed out: re-issued, but the worker is still busy
+        self._reissue: collections.deque[tuple[Job, int]] = collections.deque()  # (job, next attempt number)
+        # Held-back jobs of a version whose cohort committed before they were started: they keep their
+        # dispatch version (and so their exact delay) and go out before any new job.
+        self._carry: collections.deque[Job] = collections.deque()
+        self._held_jobs: set[int] = set()
+        self._cohort: list[Accepted] = []
+        self._held: dict[int, list[Accepted]] = collections.defaultdict(list)  # target version -> results
+        # One entry per attempt: "accepted", "dropped", "failed" or "expired"; "late" is added to `late`.
+        self.outcomes: dict[int, str] = {}
+        self.late: set[int] = set()
+        self.job_of_attempt: dict[int, int] = {}
+        # Per-update accumulators.
+        self._t_last = None
+        self._t_commit = None
+        self._busy = 0.0
+        self._dropped_since = 0
+        self._wasted_since = 0.0
+        self._reissued_since = 0
+
+    # ---------------------------------------------------------------- time and occupancy
+    def _advance(self, now: float) -> None:
+        if self._t_last is None:
+            self._t_last = self._t_commit = now
+        if now < self._t_last:
+            raise ValueError(f"time went backwards: {now} < {self._t_last}")
+        self._busy += (len(self._live) + len(self._abandoned)) * (now - self._t_last)
+        self._t_last = now
+
+    @property
+    def busy_workers(self) -> int:
+        return len(self._live) + len(self._abandoned)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    @property
+    def reissues_pending(self) -> int:
+        return len(self._reissue)
+
+    @property
+    def carried_pending(self) -> int:
+        """Held-back jobs created at their version's commit and not started yet."""
+        return len(self._carry)
+
+    @property
+    def abandoned(self) -> int:
+        """Timed-out attempts whose worker has not returned yet."""
+        return len(self._abandoned)
+
+    def unresolved_versions(self) -> set[int]:
+        """Dispatch versions of jobs still running or waiting to be re-issued."""
+        return {a.job.dispatch_version for a in self._live.values()} | {j.dispatch_version for j, _ in self._reissue} | {
+            j.dispatch_version for j in self._carry}
+
+    @property
+    def quiescent(self) -> bool:
+        """No job running or waiting to be re-issued (timed-out attempts may still occupy a worker)."""
+        return not self._live and not self._reissue and not self._carry
+
+    # ---------------------------------------------------------------- dispatch
+    def _may_dispatch_new(self) -> bool:
+        c = self.config
+        if c.barrier:
+            return self._next_member < c.jobs_per_version(self.version)
+        cap = (c.staleness_bound + self.version + 1) * c.population + (self.dropped if c.refund_dropped else 0)
+        return self.dispatched < cap
+
+    def _new_job(self) -> Job:
+        v, i = self.version, self._next_member
+        task_batch_id, sampling_seed = batch_seeds(self.config.global_seed, v)
+        job = Job(
+            job_id=self._next_job_id,
+            dispatch_version=v,
+            member_index=i,
+            member_seed=int(self._member_seed(self.config.global_seed, v, i)),
+            task_batch_id=task_batch_id,
+            sampling_seed=sampling_seed,
+        )
+        if self.config.mode == "controlled" and i >= self.config.fresh_per_version(v):
+            self._held_jobs.add(job.job_id)
+        self._next_job_id += 1
+        self._next_member += 1
+        self.dispatched += 1
+        return job
+
+    def dispatch(self, now: float) -> Attempt | None:
+        """The next attempt to run, or None when admission control (or a drain) says wait."""
+        self._advance(now)
+        if self.fatal is not None:
+            return None
+        if self._reissue:  # re-issues go first and are allowed while draining: they are owed work
+            job, number = self._reissue.popleft()
+        elif self._carry:
+            job, number = self._carry.popleft(), 0
+        elif self.draining or not self._may_dispatch_new():
+            return None
+        else:
+            job, number = self._new_job(), 0
+        deadline = None if self.config.deadline_seconds is None else now + self.config.deadline_seconds
+        attempt = Attempt(self._next_attempt_id, job, number, now, deadline)
+        self._next_attempt_id += 1
+        self._live[attempt.attempt_id] = attempt
+        self.job_of_attempt[attempt.attempt_id] = job.job_id
+        return attempt
+
+    # ---------------------------------------------------------------- results and faults
+    def _late_return(self, attempt_id: int, now: float) -> bool:
+        attempt = self._abandoned.pop(attempt_id, None)
+        if attempt is None:
+            return False
+        self.late.add(attempt_id)
+        self._wasted_since += now - attempt.start
+        return True
+
+    def _take_live(self, attempt_id: int) -> Attempt:
+        try:
+            return self._live.pop(attempt_id)
+        except KeyError:
+            raise ValueError(f"attempt {attempt_id} is not running (already reported?)") from None
+
+    def on_result(self, attempt_id: int, result: JobResult, now: float) -> Cohort | None:
+        """Account a finished attempt; returns the cohort when this result completes one."""
+        self._advance(now)
+        if self._late_return(attempt_id, now):
+            return None  # the job was re-issued after its deadline; this copy is not counted
+        attempt = self._take_live(attempt_id)
+        job, work = attempt.job, now - attempt.start
+        accepted = Accepted(job, float(result.fitness), dict(result.stats), now, work)
+        if job.job_id in self._held_jobs:
+            self._held_jobs.discard(job.job_id)
+            self._held[job.dispatch_version + self.config.delay].append(accepted)
+        elif self.version - job.dispatch_version > self.config.staleness_bound:
+            self.dropped += 1
+            self._dropped_since += 1
+            self._wasted_since += work
+            self.outcomes[attempt_id] = "dropped"
+            return None
+        else:
+            self._cohort.append(accepted)
+        self.outcomes[attempt_id] = "accepted"
+        return self._maybe_commit(now)
+
+    def _reissue_job(self, attempt: Attempt, error: BaseException | None) -> None:
+        if attempt.number + 1 >= self.config.max_attempts:
+            self.fatal = RuntimeError(
+                f"job {attempt.job.job_id} (member seed {attempt.job.member_seed}) failed "
+                f"{attempt.number + 1} times; last error: {error!r}"
+            )
+            self.fatal.__cause__ = error
+            return
+        self._reissue.append((attempt.job, attempt.number + 1))
+        self._reissued_since += 1
+
+    def on_failure(self, attempt_id: int, error: BaseException | None, now: float) -> None:
+        """The worker raised: re-issue the same job (same seed) unless it has failed max_attempts times."""
+        self._advance(now)
+        if self._late_return(attempt_id, now):
+            return
+        attempt = self._take_live(attempt_id)
+        self.outcomes[attempt_id] = "failed"
+        self._wasted_since += now - attempt.start
+        self._reissue_job(attempt, error)
+
+    def next_deadline(self) -> float | None:
+        deadlines = [a.deadline for a in self._live.values() if a.deadline is not None]
+        return min(deadlines) if deadlines else None
+
+    def expire(self, now: float) -> list[Attempt]:
+        """Re-issue every attempt past its deadline; its worker stays busy until the job function returns."""
+        self._advance(now)
+        expired = [a for a in self._live.values() if a.deadline is not None and a.deadline <= now]
+        for attempt in sorted(expired, key=lambda a: a.attempt_id):
+            del self._live[attempt.attempt_id]
+            self._abandoned[attempt.attempt_id] = attempt
+            self.outcomes[attempt.attempt_id] = "expired"
+            self._reissue_job(attempt, TimeoutError(f"deadline {self.config.deadline_seconds}s passed"))
+        return expired
+
+    # ---------------------------------------------------------------- commit
+    def _maybe_commit(self, now: float) -> Cohort | None:
+        c, v = self.config, self.version
+        if c.barrier:
+            held_due = c.held_back if (c.mode == "controlled" and v >= c.delay) else 0
+            if len(self._cohort) < c.fresh_per_version(v) or len(self._held.get(v, ())) < held_due:
+                return None
+            results = self._cohort + self._held.pop(v, [])
+            while self._next_member < c.jobs_per_version(v):
+                self._carry.append(self._new_job())
+        else:
+            if len(self._cohort) < c.population:
+                return None
+            results = self._cohort
+        results = sorted(results, key=lambda r: (r.job.dispatch_version, r.job.member_index))
+        waits = [now - r.arrived for r in results]
+        wall = now - self._t_commit
+        metrics = UpdateMetrics(
+            version=v,
+            time=now,
+            wall_seconds=wall,
+            staleness_hist=dict(sorted(collections.Counter(v - r.job.dispatch_version for r in results).items())),
+            dropped=self._dropped_since,
+            wasted_seconds=self._wasted_since,
+            reissued=self._reissued_since,
+            busy_seconds=self._busy,
+            utilization=self._busy / (c.num_workers * wall) if wall > 0 else float("nan"),
+            accepted_seconds=sum(r.work_seconds for r in results),
+            result_wait_mean=float(np.mean(waits)),
+            result_wait_max=max(waits),
+            in_flight=len(self._live),
+        )
+        self.version += 1
+        self._next_member = 0
+        self._cohort = []
+        self._t_commit = now
+        self._busy = 0.0
+        self._dropped_since, self._wasted_since, self._reissued_since = 0, 0.0, 0
+        return Cohort(v, tuple(results), metrics)
+
+    # ---------------------------------------------------------------- drain and checkpoints
+    def drain(self) -> None:
+        """Stop handing out new jobs; running and re-issued jobs still finish and are accounted."""
+        self.draining = True
+
+    def resume(self) -> None:
+        self.draining = False
+
+    def state_dict(self) -> dict:
+        """Plain-Python state for a checkpoint; only valid when quiescent (drain first)."""
+        if not self.quiescent:
+            raise RuntimeError("drain the coordinator before saving it: jobs are still running")
+
+        def enc(r: Accepted) -> dict:
+            return {"job": dataclasses.asdict(r.job), "fitness": r.fitness, "stats": dict(r.stats),
+                    "arrived": r.arrived, "work_seconds": r.work_seconds}
+
+        return {
+            "version": self.version, "next_member": self._next_member, "next_job_id": self._next_job_id,
+            "next_attempt_id": self._next_attempt_id, "dispatched": self.dispatched, "dropped": self.dropped,
+            "cohort": [enc(r) for r in self._cohort],
+            "held": {str(k): [enc(r) for r in rs] for k, rs in self._held.items() if rs},
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        def dec(d: Mapping) -> Accepted:
+            return Accepted(Job(**d["job"]), d["fitness"], d["stats"], d["arrived"], d["work_seconds"])
+
+        self.version, self._next_member = int(state["version"]), int(state["next_member"])
+        self._next_job_id, self._next_attempt_id = int(state["next_job_id"]), int(state["next_attempt_id"])
+        self.dispatched, self.dropped = int(state["dispatched"]), int(state["dropped"])
+        self._cohort = [dec(d) for d in state["cohort"]]
+        self._held = collections.defaultdict(list, {int(k): [dec(d) for d in rs] for k, rs in state["held"].items()})
+        self._live.clear(), self._abandoned.clear(), self._reissue.clear(), self._carry.clear()
+        self._held_jobs.clear()
+        self._t_last = self._t_commit = None

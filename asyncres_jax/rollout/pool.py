@@ -1,0 +1,235 @@
+"""The threaded rollout pool: worker threads over replicas, driving the Coordinator with the wall clock.
+
+Each replica (a sub-mesh of M devices from the mesh's data axis) keeps one copy of the weights and a version;
+one or more worker threads share it. A worker takes an attempt from the coordinator, brings the replica's
+weights to the job's dispatch version (replay of the store's log, or a copy), runs job_fn(job, params) and
+reports the result. Cohorts are committed to the store under the pool lock, so a job never sees a version
+whose parameters are not published yet.
+
+Python cannot kill a thread: a job that passes its deadline is re-issued to another worker, and its own
+worker rejoins the pool when job_fn finally returns (episodes have their own wall-clock limits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from asyncres_jax.rollout.coordinator import Attempt, Cohort, Coordinator, Job, JobResult, UpdateMetrics
+from asyncres_jax.rollout.store import ParamStore
+
+Params = Any
+
+
+@dataclasses.dataclass
+class Replica:
+    """One copy of the rollout weights. `place` moves master params onto the replica's devices."""
+
+    index: int
+    mesh: Any = None
+    place: Callable[[Params], Params] = lambda p: p
+    params: Params = None
+    version: int | None = None
+    syncs: dict = dataclasses.field(default_factory=lambda: {"none": 0, "replay": 0, "copy": 0})
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+
+def replicas_from_mesh(mesh, data_axis: str = "data") -> list[Replica]:
+    """One Replica per index of the data axis, each over its own sub-mesh of the remaining axes,
+    with the weights replicated there (the model's partition rules may replace `place`)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    axis = mesh.axis_names.index(data_axis)
+    rest = tuple(n for n in mesh.axis_names if n != data_axis)
+    replicas = []
+    for i in range(mesh.devices.shape[axis]):
+        sub = Mesh(np.take(mesh.devices, i, axis=axis), rest)
+        sharding = NamedSharding(sub, PartitionSpec())
+        replicas.append(Replica(i, sub, place=lambda p, s=sharding: jax.device_put(p, s)))
+    return replicas
+
+
+class RolloutPool:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        store: ParamStore,
+        job_fn: Callable[[Job, Params], JobResult],
+        *,
+        replicas: Sequence[Replica] | None = None,
+        workers_per_replica: int = 1,
+        on_commit: Callable[[Cohort], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        poll_seconds: float = 0.05,
+    ):
+        n_workers = coordinator.config.num_workers
+        if replicas is None:
+            replicas = [Replica(i) for i in range(n_workers // workers_per_replica)]
+        if len(replicas) * workers_per_replica != n_workers:
+            raise ValueError(
+                f"{len(replicas)} replicas x {workers_per_replica} workers != num_workers={n_workers} in the config"
+            )
+        if store.version != coordinator.version:
+            raise ValueError(f"store is at version {store.version}, coordinator at {coordinator.version}")
+        self.coordinator, self.store, self.job_fn = coordinator, store, job_fn
+        self.replicas = list(replicas)
+        self.workers_per_replica = workers_per_replica
+        self.on_commit, self.clock, self.poll_seconds = on_commit, clock, poll_seconds
+        self.metrics: list[UpdateMetrics] = []
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._stop = False
+        self._error: BaseException | None = None
+        # Master params of every version that still has unresolved jobs: a re-issued job runs on the weights
+        # of its dispatch version, which may no longer be the store's current one.
+        self._params_at: dict[int, Params] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> "RolloutPool":
+        if self._threads:
+            return self
+        self._stop = False
+        for r in self.replicas:
+            for k in range(self.workers_per_replica):
+                t = threading.Thread(target=self._worker, args=(r,), name=f"rollout-r{r.index}w{k}", daemon=True)
+                self._threads.append(t)
+        if self.coordinator.config.deadline_seconds is not None:
+            self._threads.append(threading.Thread(target=self._watchdog, name="rollout-watchdog", daemon=True))
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __enter__(self) -> "RolloutPool":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float | None, what: str) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not predicate():
+                if self._error is not None:
+                    raise self._error
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"rollout pool: {what} did not happen within {timeout}s")
+                self._cond.wait(self.poll_seconds if left is None else min(left, self.poll_seconds))
+            if self._error is not None:
+                raise self._error
+
+    def run_until(self, version: int, timeout: float | None = None) -> list[UpdateMetrics]:
+        """Start if needed and block until the store has published `version`; returns all metrics so far."""
+        self.start()
+        self._wait_for(lambda: self.coordinator.version >= version, timeout, f"version {version}")
+        return list(self.metrics)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Stop dispatching and wait until every running job is accounted (before checkpoints/evals)."""
+        with self._cond:
+            self.coordinator.drain()
+        self._wait_for(lambda: self.coordinator.quiescent, timeout, "drain")
+
+    def resume(self) -> None:
+        with self._cond:
+            self.coordinator.resume()
+            self._cond.notify_all()
+
+    def shutdown(self, timeout: float | None = 60.0) -> None:
+        """Drain, stop and join every thread (including workers of timed-out jobs, once job_fn returns)."""
+        with self._cond:
+            self.coordinator.drain()
+            self._stop = True
+            self._cond.notify_all()
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        self._threads = []
+        if alive:
+            raise TimeoutError(f"rollout pool: threads still running after {timeout}s: {alive}")
+
+    # ---------------------------------------------------------------- workers
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._stop = True
+            self._cond.notify_all()
+
+    def _next_attempt(self) -> tuple[Attempt, Params] | None:
+        with self._cond:
+            while True:
+                if self._stop and not self.coordinator.reissues_pending:
+                    return None  # shutting down: only owed re-issues still run
+                attempt = self.coordinator.dispatch(self.clock())
+                if attempt is not None:
+                    v = attempt.job.dispatch_version
+                    if v == self.store.version:
+                        self._params_at[v] = self.store.params
+                    return attempt, self._params_at[v]
+                if self.coordinator.fatal is not None:
+                    self._error = self._error or self.coordinator.fatal
+                    self._stop = True
+                    self._cond.notify_all()
+                    return None
+                self._cond.wait(self.poll_seconds)
+
+    def _sync(self, replica: Replica, version: int, master: Params) -> Params:
+        with replica.lock:
+            kind = self.store.plan(replica.version, version)
+            if kind == "none":
+                params = replica.params
+            elif kind == "replay":
+                params = self.store.bring_up(replica.params, replica.version, version)
+            else:
+                params = replica.place(master)
+            replica.syncs[kind] += 1
+            if replica.version is None or version >= replica.version:
+                replica.params, replica.version = params, version
+            return params
+
+    def _worker(self, replica: Replica) -> None:
+        try:
+            while True:
+                got = self._next_attempt()
+                if got is None:
+                    return
+                attempt, master = got
+                try:
+                    params = self._sync(replica, attempt.job.dispatch_version, master)
+                    result = self.job_fn(attempt.job, params)
+                except Exception as e:  # the job failed: re-issue it, keep the worker
+                    with self._cond:
+                        self.coordinator.on_failure(attempt.attempt_id, e, self.clock())
+                        self._cond.notify_all()
+                    continue
+                with self._cond:
+                    cohort = self.coordinator.on_result(attempt.attempt_id, result, self.clock())
+                    if cohort is not None:
+                        self.store.commit(cohort.seeds, cohort.fitness)
+                        self.metrics.append(cohort.metrics)
+                        self._forget_old_params()
+                        if self.on_commit is not None:
+                            self.on_commit(cohort)
+                    self._cond.notify_all()
+        except BaseException as e:  # a bug in the pool, store or on_commit: stop everything, report it
+            self._fail(e)
+
+    def _forget_old_params(self) -> None:
+        live = self.coordinator.unresolved_versions()
+        for v in [v for v in self._params_at if v not in live and v != self.store.version]:
+            del self._params_at[v]
+
+    def _watchdog(self) -> None:
+        with self._cond:
+            while not (self._stop and self.coordinator.in_flight == 0):
+                deadline = self.coordinator.next_deadline()
+                wait = self.poll_seconds if deadline is None else max(0.0, min(self.poll_seconds, deadline - self.clock()))
+                self._cond.wait(wait)
+                if self.coordinator.expire(self.clock()):
+                    self._cond.notify_all()

@@ -1,0 +1,99 @@
+"""An event-driven simulation of the rollout pool on a simulated clock: the same Coordinator as the threaded
+pool, with job durations from a function instead of real work. Deterministic: events are ordered by
+(time, sequence number) and durations depend only on the job and attempt number.
+
+Used by the property tests and by `bench pool` as the scheduling-theory reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Callable
+
+from asyncres_jax.rollout.coordinator import Attempt, Cohort, Coordinator, Job, JobResult, PoolConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one attempt does: run for `seconds`, then return a result ("ok") or raise ("raise")."""
+
+    seconds: float
+    kind: str = "ok"
+
+
+@dataclasses.dataclass
+class SimRun:
+    coordinator: Coordinator
+    cohorts: list[Cohort]
+    dispatches: list[Attempt]  # in dispatch order, with their (simulated) start times
+    end_time: float
+    stalled: bool  # nothing left to happen before num_updates were committed
+
+    @property
+    def metrics(self):
+        return [c.metrics for c in self.cohorts]
+
+
+def _default_fitness(job: Job) -> float:
+    return (job.member_seed % 1000) / 1000.0
+
+
+def simulate(
+    config: PoolConfig,
+    duration: Callable[[Job, int], float | Outcome],
+    num_updates: int,
+    *,
+    member_seed: Callable[[int, int, int], int] | None = None,
+    fitness: Callable[[Job], float] = _default_fitness,
+    on_commit: Callable[[Cohort], None] | None = None,
+    max_events: int = 1_000_000,
+) -> SimRun:
+    coord = Coordinator(config, member_seed=member_seed or (lambda g, v, i: (g * 1_000_003 + v) * 10_007 + i))
+    events: list[tuple[float, int, int, Attempt, Outcome]] = []  # (time, seq, worker, attempt, outcome)
+    idle = list(range(config.num_workers))
+    seq, now = 0, 0.0
+    cohorts: list[Cohort] = []
+    dispatches: list[Attempt] = []
+
+    def fill():
+        nonlocal seq
+        while idle:
+            attempt = coord.dispatch(now)
+            if attempt is None:
+                return
+            out = duration(attempt.job, attempt.number)
+            out = out if isinstance(out, Outcome) else Outcome(float(out))
+            heapq.heappush(events, (now + out.seconds, seq, idle.pop(0), attempt, out))
+            seq += 1
+            dispatches.append(attempt)
+
+    fill()
+    for _ in range(max_events):
+        if coord.version >= num_updates or coord.fatal is not None:
+            break
+        deadline = coord.next_deadline()
+        if deadline is not None and (not events or deadline < events[0][0]):
+            now = deadline
+            coord.expire(now)
+            fill()
+            continue
+        if not events:
+            return SimRun(coord, cohorts, dispatches, now, stalled=True)
+        now, _, worker, attempt, out = heapq.heappop(events)
+        if out.kind == "raise":
+            coord.on_failure(attempt.attempt_id, RuntimeError("simulated worker failure"), now)
+        else:
+            cohort = coord.on_result(attempt.attempt_id, JobResult(fitness(attempt.job)), now)
+            if cohort is not None:
+                cohorts.append(cohort)
+                if on_commit is not None:
+                    on_commit(cohort)
+        idle.append(worker)
+        idle.sort()  # the lowest free worker takes the next job: deterministic
+        fill()
+    else:
+        raise RuntimeError(f"simulation did not finish within {max_events} events")
+    if coord.fatal is not None:
+        raise coord.fatal
+    return SimRun(coord, cohorts, dispatches, now, stalled=False)
