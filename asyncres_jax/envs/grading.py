@@ -26,20 +26,27 @@ REWARD_FILE = f"{VERIFIER_DIR}/reward.txt"
 MARKER = "@@asyncres-grade"
 
 
-def grade_script(*, workdir: str = "/home/user", shims_dir: str | None = None) -> str:
-    """The bash script a backend runs (as the grading user, tests at /tests) to grade the current state."""
+def grade_script(*, workdir: str = "/home/user", shims_dir: str | None = None,
+                 test_file: str = "test_final_state.py", use_test_sh: bool = True) -> str:
+    """The bash script a backend runs (as the grading user, tests at /tests) to grade the current state.
+
+    test_file/use_test_sh=False run another pytest file from /tests instead (the initial-state checks).
+    PYTHONSAFEPATH/PYTHONNOUSERSITE: a module the agent planted in its home (a fake pytest.py, a
+    usercustomize) must not be importable by the tests.
+    """
     path = f'export PATH={shlex.quote(shims_dir)}:"$PATH" PYTHONPATH={shlex.quote(shims_dir)}${{PYTHONPATH:+:$PYTHONPATH}} ' \
            'PYTEST_PLUGINS=asyncres_ctrf\n' if shims_dir else ""
+    test_sh = f"{TESTS_DIR}/test.sh" if use_test_sh else "/nonexistent/test.sh"
     return f"""\
-export PYTHONDONTWRITEBYTECODE=1
+export PYTHONDONTWRITEBYTECODE=1 PYTHONSAFEPATH=1 PYTHONNOUSERSITE=1
 {path}mkdir -p {VERIFIER_DIR} && rm -f {REWARD_FILE}
 cd {shlex.quote(workdir)} 2>/dev/null || cd /
-if [ -f {TESTS_DIR}/test.sh ]; then
-  bash {TESTS_DIR}/test.sh </dev/null 2>&1
+if [ -f {test_sh} ]; then
+  bash {test_sh} </dev/null 2>&1
   status=$?
   echo "{MARKER} mode=test.sh status=$status reward=$(head -c 64 {REWARD_FILE} 2>/dev/null | tr -d '[:space:]')"
 else
-  python3 -m pytest -rA -p no:cacheprovider {TESTS_DIR}/test_final_state.py </dev/null 2>&1
+  python3 -m pytest -rA -p no:cacheprovider {TESTS_DIR}/{shlex.quote(test_file)} </dev/null 2>&1
   echo "{MARKER} mode=pytest status=$?"
 fi
 """
@@ -89,155 +96,138 @@ def parse_grade(output: str) -> Grade:
 
 # --- offline stand-ins for the network tools Endless Terminals' test.sh files call --------------------------
 
-_SHIM = r'''#!/usr/bin/python3
-"""Offline stand-in (asyncres_jax.envs.grading) for __NAME__: no network in the sandbox."""
-import importlib.util, os, shutil, subprocess, sys
+# One POSIX sh script, linked under each tool's name (sh starts in ~1 ms; Python only for pip/uv arguments).
+_SHIM = r"""#!/bin/sh
+# Offline stand-in (asyncres_jax.envs.grading) for package and network tools: the sandbox has no network.
+name=${0##*/}
+here=${0%/*}
+PY=/usr/bin/python3
+# installer scaffolding and reporting plugins: nothing needs them once installs are skipped
+OPTIONAL=" pytest-json-ctrf pochi-verifier pytest-xprocess uv pip setuptools wheel python3-pip python3-venv
+ python3-setuptools python3-wheel python-is-python3 ca-certificates gnupg software-properties-common apt-utils
+ lsb-release locales tzdata sudo curl wget build-essential "
 
-name = os.path.basename(sys.argv[0])
-args = sys.argv[1:]
-strict = os.environ.get("ASYNCRES_SHIM_STRICT") == "1"  # environment prep: missing packages are errors
-here = os.path.dirname(os.path.abspath(__file__))
-PY = "/usr/bin/python3"
-MODULES = {"pytest-json-ctrf": "pytest_jsonctrf", "pyyaml": "yaml", "beautifulsoup4": "bs4",
-           "pillow": "PIL", "scikit-learn": "sklearn", "python-dateutil": "dateutil"}
-OPTIONAL = {"pytest-json-ctrf", "pochi-verifier", "pytest-xprocess", "uv", "pip", "setuptools", "wheel"}
+real() {  # the real tool: first match on PATH outside this folder
+  old_ifs=$IFS; IFS=:
+  for d in $PATH; do
+    if [ "$d" != "$here" ] && [ -x "$d/$1" ]; then IFS=$old_ifs; echo "$d/$1"; return 0; fi
+  done
+  IFS=$old_ifs; return 1
+}
 
+missing() {  # $1 package, $2 kind; fails unless the package is optional
+  case "$OPTIONAL" in *" $1 "*|*" $1
+"*)
+    echo "warning: $2 package '$1' is not installed on the host and cannot be installed offline; skipped" >&2
+    return 0;;
+  esac
+  echo "error: $2 package '$1' is not installed on the host and cannot be installed offline; install it on the host (see scripts/setup_system.sh)" >&2
+  return 1
+}
 
-def real(cmd):
-    path = os.environ.get("PATH", "").split(":")
-    return shutil.which(cmd, path=":".join(p for p in path if os.path.abspath(p) != here))
+pip_check() {  # pip-style arguments; fails naming each missing package
+  "$PY" - "$@" <<'PYEOF'
+import importlib.util, sys
+MODULES = {"pytest-json-ctrf": "pytest_jsonctrf", "pyyaml": "yaml", "beautifulsoup4": "bs4", "pillow": "PIL",
+           "scikit-learn": "sklearn", "python-dateutil": "dateutil", "opencv-python": "cv2"}
+WITH_VALUE = {"-r", "--requirement", "-c", "--constraint", "-i", "--index-url", "--extra-index-url", "--target",
+              "-t", "--prefix", "--root", "-f", "--find-links", "--python", "-p"}
+args, names, skip = sys.argv[1:], [], False
+for a in args:
+    if skip:
+        skip = False
+    elif a in WITH_VALUE:
+        skip = True
+    elif not a.startswith("-") and a not in ("install", "pip"):
+        for sep in "[=<>!~; @":
+            a = a.split(sep)[0]
+        if a:
+            names.append(a)
+for n in names:
+    if importlib.util.find_spec(MODULES.get(n.lower(), n.lower().replace("-", "_").replace(".", "_"))) is None:
+        print(n)
+PYEOF
+}
 
+pip_install() {
+  status=0
+  for n in $(pip_check "$@"); do missing "$n" pip || status=1; done
+  return $status
+}
 
-def missing(what, kind):
-    msg = f"{kind} package {what!r} is not installed on the host and cannot be installed offline"
-    if strict or what.lower() not in OPTIONAL:
-        print(f"error: {msg}; install it on the host (see scripts/setup_system.sh)", file=sys.stderr)
-        return True
-    print(f"warning: {msg}; skipped", file=sys.stderr)
-    return False
+run_tool() {  # uvx / uv run: drop uv's options (keeping --with packages to check), run the tool on the host
+  withs=""
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --with|-w) withs="$withs $2"; shift 2;;
+      --from|-p|--python|--with-requirements|--with-editable|--index|--index-url|--extra-index-url|--directory|--project) shift 2;;
+      --) shift; break;;
+      -*) shift;;
+      *) break;;
+    esac
+  done
+  [ $# -gt 0 ] || exit 0
+  # shellcheck disable=SC2086
+  pip_install $withs || exit 1
+  case "$1" in
+    pytest|py.test) shift; exec "$PY" -m pytest "$@";;
+    python|python3) shift; exec "$PY" "$@";;
+  esac
+  exec "$@"
+}
 
-
-def pip_name(spec):
-    for sep in ("[", "=", "<", ">", "!", "~", ";", " ", "@"):
-        spec = spec.split(sep)[0]
-    return spec.strip()
-
-
-def pip_install(pkgs):
-    bad = False
-    for spec in pkgs:
-        n = pip_name(spec)
-        if not n or n.startswith("-") or os.path.exists(spec):
-            continue
-        mod = MODULES.get(n.lower(), n.lower().replace("-", "_").replace(".", "_"))
-        if importlib.util.find_spec(mod) is None:
-            bad |= missing(n, "pip")
-    return 1 if bad else 0
-
-
-def pip(args):
-    if "install" not in args:
-        return 0
-    pkgs, skip = [], False
-    for a in args[args.index("install") + 1:]:
-        if skip:
-            skip = False
-        elif a in ("-r", "--requirement", "-c", "--constraint", "-i", "--index-url", "--extra-index-url",
-                   "--target", "-t", "--prefix", "--root", "-f", "--find-links"):
-            skip = True
-        elif not a.startswith("-"):
-            pkgs.append(a)
-    return pip_install(pkgs)
-
-
-def apt(args):
-    if "install" not in args:
-        return 0  # update, clean, upgrade, ...: nothing to do offline
-    bad = False
-    for p in args[args.index("install") + 1:]:
-        if p.startswith("-"):
-            continue
-        p = p.split("=")[0]
-        ok = subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True)
-        if "install ok installed" not in ok.stdout and real(p) is None:
-            bad |= missing(p, "apt")
-    return 1 if bad else 0
-
-
-def strip_ctrf(argv):
-    if importlib.util.find_spec("pytest_jsonctrf") is not None:
-        return argv
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--ctrf":
-            skip = True
-        elif not a.startswith("--ctrf="):
-            out.append(a)
-    return out
-
-
-def run_tool(argv):
-    """uvx/uv run: drop uv's own options, then run the tool with the host's Python."""
-    with_value = {"--with", "-w", "--from", "-p", "--python", "--with-requirements", "--with-editable",
-                  "--index", "--index-url", "--extra-index-url", "--directory", "--project"}
-    i, wanted = 0, []
-    while i < len(argv) and argv[i].startswith("-"):
-        if argv[i] in with_value and i + 1 < len(argv):
-            if argv[i] in ("--with", "-w"):
-                wanted.append(argv[i + 1])
-            i += 2
-        else:
-            i += 1
-    argv = argv[i:]
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
-        return 0
-    if pip_install(wanted):
-        return 1
-    if pip_name(argv[0]) in ("pytest", "py.test"):
-        os.execv(PY, [PY, "-m", "pytest", *strip_ctrf(argv[1:])])
-    if argv[0] in ("python", "python3"):
-        os.execv(PY, [PY, *argv[1:]])
-    os.execvp(argv[0], argv)
-
-
-def main():
-    if name == "uvx":
-        return run_tool(args)
-    if name == "uv":
-        if args[:1] == ["run"]:
-            return run_tool(args[1:])
-        if args[:2] == ["pip", "install"]:
-            return pip(args[1:])
-        return 0  # uv venv/sync/self: nothing to do offline
-    if name in ("pip", "pip3"):
-        return pip(args)
-    if name in ("apt-get", "apt"):
-        return apt(args)
-    if name == "curl":
-        if any("astral.sh/uv" in a for a in args):
-            return 0  # the uv installer: uv is this stand-in
-        c = real("curl")
-        if c is None:
-            print("curl: not installed (and there is no network in the sandbox)", file=sys.stderr)
-            return 127
-        os.execv(c, ["curl", *args])
-    if name in ("python3", "python"):
-        if args[:2] == ["-m", "pip"]:
-            return pip(args[2:])
-        if args[:2] == ["-m", "pytest"]:
-            os.execv(PY, [PY, "-m", "pytest", *strip_ctrf(args[2:])])
-        os.execv(PY, [PY, *args])
-    if name == "pytest":
-        os.execv(PY, [PY, "-m", "pytest", *strip_ctrf(args)])
-    return 0
-
-
-sys.exit(main())
-'''
+case "$name" in
+  uvx) run_tool "$@";;
+  uv)
+    case "$1" in
+      run) shift; run_tool "$@";;
+      pip) shift; [ "$1" = install ] && { shift; pip_install "$@"; exit $?; }; exit 0;;
+    esac
+    exit 0;;  # uv venv/sync/self: nothing to do offline
+  pip|pip3) [ "$1" = install ] && { shift; pip_install "$@"; exit $?; }; exit 0;;
+  python|python3)
+    if [ "$1" = -m ] && { [ "$2" = pip ] || [ "$2" = pip3 ]; }; then
+      [ "$3" = install ] && { shift 3; pip_install "$@"; exit $?; }; exit 0
+    fi
+    exec "$PY" "$@";;
+  apt-get|apt)
+    found=0; status=0
+    for a in "$@"; do
+      if [ $found = 1 ]; then
+        case "$a" in -*) continue;; esac
+        p=${a%%=*}
+        if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' && ! real "$p" >/dev/null; then
+          missing "$p" apt || status=1
+        fi
+      fi
+      [ "$a" = install ] && found=1
+    done
+    exit $status;;  # update, clean, upgrade: nothing to do offline
+  curl)
+    for a in "$@"; do case "$a" in *astral.sh/uv*) exit 0;; esac; done  # the uv installer: uv is this stand-in
+    c=$(real curl) || { echo "curl: not installed (and the sandbox has no network)" >&2; exit 127; }
+    exec "$c" "$@";;
+  rm)  # package caches a Dockerfile cleans up are not the sandbox's to delete
+    n=0
+    for a do
+      shift
+      case "$a" in /var/lib/apt/lists*|/var/cache/*|/root/.cache*|/usr/share/doc*|/usr/share/man*) continue;; esac
+      case "$a" in -*) ;; *) n=$((n + 1));; esac
+      set -- "$@" "$a"
+    done
+    [ $n -gt 0 ] || exit 0
+    exec "$(real rm)" "$@";;
+  sudo)
+    while [ $# -gt 0 ]; do
+      case "$1" in -u|-g|-C|-D|-h|-p|-U) shift 2;; -*) shift;; *) break;; esac
+    done
+    [ $# -gt 0 ] && exec "$@"; exit 0;;
+  su)
+    while [ $# -gt 0 ]; do [ "$1" = -c ] && exec /bin/sh -c "$2"; shift; done; exit 0;;
+esac
+# useradd, groupadd, chown, ...: mapped onto the sandbox's own user, which already owns its files
+exit 0
+"""
 
 _CTRF_PLUGIN = '''"""Accepts pytest-json-ctrf's --ctrf option when that plugin is not installed (offline sandboxes)."""
 import importlib.util
@@ -247,17 +237,24 @@ if importlib.util.find_spec("pytest_jsonctrf") is None:
         parser.addoption("--ctrf", action="store", default=None, help="ignored: pytest-json-ctrf is not installed")
 '''
 
-SHIM_NAMES = ("uvx", "uv", "pip", "pip3", "apt-get", "apt", "curl", "python", "python3", "pytest")
+SHIM_NAMES = ("uvx", "uv", "pip", "pip3", "apt-get", "apt", "curl", "python", "python3")
+# environment prep (Dockerfile RUN steps replayed as the sandbox user) also maps user/ownership tools
+PREP_SHIM_NAMES = SHIM_NAMES + ("rm", "sudo", "su", "useradd", "adduser", "groupadd", "addgroup", "usermod",
+                                "groupmod", "chown", "chgrp", "passwd", "chpasswd", "locale-gen",
+                                "update-locale", "ldconfig")
 
 
-def write_offline_shims(directory: str | os.PathLike) -> pathlib.Path:
-    """Write the offline stand-ins (one script, a link per tool name) and the --ctrf plugin into `directory`."""
+def write_offline_shims(directory: str | os.PathLike, *, prep: bool = False) -> pathlib.Path:
+    """Write the offline stand-ins (one script, a link per tool name) and the --ctrf plugin into `directory`.
+
+    prep=True adds the stand-ins for replaying Dockerfile steps (useradd, chown, rm of package caches, sudo).
+    """
     d = pathlib.Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     main = d / "asyncres-shim"
     main.write_text(_SHIM)
     main.chmod(0o755)
-    for n in SHIM_NAMES:
+    for n in PREP_SHIM_NAMES if prep else SHIM_NAMES:
         link = d / n
         if not link.is_symlink():
             link.symlink_to("asyncres-shim")
