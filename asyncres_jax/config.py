@@ -1,0 +1,245 @@
+"""Typed run configuration: dataclass schemas, YAML files in configs/, dotted `key=value` overrides.
+
+OmegaConf does the parsing, merging and type conversion; unknown keys and ill-typed values are rejected
+there. Choices and ranges are checked in `__post_init__`, so every error names the key and the fix.
+Each field's `doc` metadata is the option's documentation (`python -m asyncres_jax.train --help-config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import omegaconf
+from omegaconf import OmegaConf
+
+from asyncres_jax.errors import UserError
+
+
+def opt(default: Any, doc: str, **kw) -> Any:
+    """A documented config field."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc}, **kw)
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=type(default), metadata={"doc": doc}, **kw)
+    return field(default=default, metadata={"doc": doc}, **kw)
+
+
+def _choice(section: str, name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise UserError(f"{section}.{name}={value!r} is not valid; choose one of {', '.join(map(str, choices))}")
+
+
+def _positive(section: str, name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise UserError(f"{section}.{name}={value} is not valid; it must be {bound}")
+
+
+@dataclass
+class ModelSection:
+    name: str = opt("smollm2-135m-instruct", "model name, Hugging Face directory or .gguf file")
+    dtype: str = opt("float32", "dtype of the learner's master parameters (float32 recommended)")
+    rollout_dtype: str = opt("float32", "dtype of the rollout copies of the parameters (bfloat16 on GPUs)")
+
+    def __post_init__(self):
+        _choice("model", "dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("model", "rollout_dtype", self.rollout_dtype, ("float32", "bfloat16"))
+
+
+@dataclass
+class TasksSection:
+    dataset: str = opt("data/generated", "folder of task directories with splits/{train,val,test}.txt")
+    generate_n: int = opt(0, "if > 0 and the dataset folder is missing, generate this many tasks offline")
+    generate_seed: int = opt(0, "seed of the offline task generator")
+    train_split: str = opt("train", "split used for ES/GRPO updates")
+    val_split: str = opt("val", "split evaluated every eval.every updates")
+    test_split: str = opt("test", "split evaluated once at the end")
+
+    def __post_init__(self):
+        _positive("tasks", "generate_n", self.generate_n, allow_zero=True)
+
+
+@dataclass
+class EpisodeSection:
+    max_turns: int = opt(16, "turns per episode before it ends ungraded-as-is")
+    max_new_tokens: int = opt(2048, "tokens generated per turn at most")
+    context_limit: int = opt(16384, "rolling context in tokens; older turns are dropped beyond it")
+    episode_timeout_s: float = opt(300.0, "wall-clock seconds per episode; a timed-out episode scores 0")
+    command_timeout_s: float = opt(30.0, "seconds one command may run before its process tree is killed")
+    temperature: float = opt(0.6, "sampling temperature (0 = greedy)")
+    top_p: float = opt(1.0, "nucleus sampling threshold")
+    fitness: str = opt("binary", "per-episode score: binary (tests pass) or partial (fraction of tests)")
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_new_tokens", "context_limit", "episode_timeout_s", "command_timeout_s"):
+            _positive("episode", name, getattr(self, name))
+        _positive("episode", "temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"episode.top_p={self.top_p} is not valid; it must be in (0, 1]")
+        _choice("episode", "fitness", self.fitness, ("binary", "partial"))
+
+
+@dataclass
+class SandboxSection:
+    backend: str = opt("bwrap", "bwrap (daemonless) or docker (any Docker-API engine via DOCKER_HOST)")
+    max_parallel: int = opt(16, "sandboxes alive at once")
+
+    def __post_init__(self):
+        _choice("sandbox", "backend", self.backend, ("bwrap", "docker"))
+        _positive("sandbox", "max_parallel", self.max_parallel)
+
+
+@dataclass
+class ESSection:
+    updates: int = opt(120, "ES updates to run")
+    population: int = opt(30, "perturbations (members) per update, N")
+    sigma: float = opt(0.0015, "noise scale")
+    alpha: float = opt(0.00075, "learning rate: theta += alpha/N * sum z_i eps_i")
+    noise: str = opt("iid", "iid (full rank), shared (equal-shaped leaves share noise) or lowrank (EGGROLL)")
+    rank: int = opt(1, "rank r of low-rank noise")
+    shaping: str = opt("zscore", "fitness shaping: zscore, centered_rank or raw")
+    antithetic: bool = opt(False, "mirrored pairs (+eps, -eps); population must be even")
+    optimizer: str = opt("sgd", "sgd (the paper's rule) or adam")
+    tasks_per_member: int = opt(256, "tasks each member is evaluated on per update")
+    batched_population: bool = opt(False, "lowrank only: run a whole cohort as one batch over one copy of W")
+
+    def __post_init__(self):
+        for name in ("updates", "population", "sigma", "alpha", "rank", "tasks_per_member"):
+            _positive("es", name, getattr(self, name))
+        _choice("es", "noise", self.noise, ("iid", "shared", "lowrank"))
+        _choice("es", "shaping", self.shaping, ("zscore", "centered_rank", "raw"))
+        _choice("es", "optimizer", self.optimizer, ("sgd", "adam"))
+        if self.antithetic and self.population % 2:
+            raise UserError(f"es.population={self.population} must be even with es.antithetic=true")
+        if self.batched_population and self.noise != "lowrank":
+            raise UserError("es.batched_population=true needs es.noise=lowrank")
+
+
+@dataclass
+class PoolSection:
+    mode: str = opt("async", "sync (barrier), async (bounded staleness) or controlled (fixed delays)")
+    max_staleness: int = opt(1, "K: results staler than K updates are dropped (async)")
+    held_back: int = opt(3, "controlled: results of each cohort held back")
+    delay: int = opt(4, "controlled: updates by which held-back results are delayed")
+    workers_per_replica: int = opt(1, "worker threads sharing one model replica")
+    job_deadline_s: float = opt(3600.0, "a job running longer is re-issued with the same seed")
+
+    def __post_init__(self):
+        _choice("pool", "mode", self.mode, ("sync", "async", "controlled"))
+        _positive("pool", "max_staleness", self.max_staleness, allow_zero=True)
+        _positive("pool", "held_back", self.held_back, allow_zero=True)
+        _positive("pool", "delay", self.delay)
+        _positive("pool", "workers_per_replica", self.workers_per_replica)
+        _positive("pool", "job_deadline_s", self.job_deadline_s)
+
+
+@dataclass
+class GRPOSection:
+    steps: int = opt(129, "GRPO steps to run")
+    prompts_per_step: int = opt(16, "tasks per step")
+    group_size: int = opt(16, "episodes per task (G)")
+    epochs: int = opt(2, "passes over each batch")
+    minibatch_size: int = opt(64, "episodes per gradient step")
+    lr: float = opt(1e-6, "AdamW learning rate")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "global gradient-norm clip")
+    clip_eps: float = opt(0.2, "PPO ratio clip")
+    kl_coef: float = opt(1e-3, "k3 KL penalty coefficient against the initial model")
+
+    def __post_init__(self):
+        for name in ("steps", "prompts_per_step", "group_size", "epochs", "minibatch_size", "lr", "grad_clip"):
+            _positive("grpo", name, getattr(self, name))
+
+
+@dataclass
+class EvalSection:
+    every: int = opt(10, "evaluate the validation split every k updates (0 = never)")
+    val_tasks: int = opt(100, "validation tasks evaluated (first k of the split)")
+    test_tasks: int = opt(300, "test tasks evaluated at the end (first k of the split)")
+    seeds: list[int] = opt([42, 43, 44], "sampling seeds of held-out evaluation")
+
+    def __post_init__(self):
+        _positive("eval", "every", self.every, allow_zero=True)
+        if not self.seeds:
+            raise UserError("eval.seeds is empty; give at least one seed, e.g. eval.seeds=[42,43,44]")
+
+
+@dataclass
+class CheckpointSection:
+    every: int = opt(10, "checkpoint every k updates (after draining in-flight jobs)")
+    keep: int = opt(3, "checkpoints kept")
+
+    def __post_init__(self):
+        _positive("checkpoint", "every", self.every)
+        _positive("checkpoint", "keep", self.keep)
+
+
+@dataclass
+class TrainConfig:
+    algo: str = opt("es", "es or grpo")
+    seed: int = opt(0, "global seed: member seeds, task batches and sampling seeds derive from it")
+    run_dir: str = opt("runs/default", "where checkpoints, metrics and the manifest go")
+    mesh: str = opt("1x1", "DxM: D data replicas (rollout engines) x M-way model parallel")
+    model: ModelSection = opt(ModelSection(), "the policy")
+    tasks: TasksSection = opt(TasksSection(), "the task dataset")
+    episode: EpisodeSection = opt(EpisodeSection(), "the agent protocol's limits and sampling")
+    sandbox: SandboxSection = opt(SandboxSection(), "where commands run")
+    es: ESSection = opt(ESSection(), "Evolution Strategies")
+    pool: PoolSection = opt(PoolSection(), "the rollout pool and its staleness rule")
+    grpo: GRPOSection = opt(GRPOSection(), "the GRPO baseline")
+    eval: EvalSection = opt(EvalSection(), "held-out evaluation")
+    checkpoint: CheckpointSection = opt(CheckpointSection(), "Orbax checkpoints")
+
+    def __post_init__(self):
+        _choice("", "algo", self.algo, ("es", "grpo"))
+        from asyncres_jax.mesh import parse_mesh  # noqa: PLC0415 (keeps config import light)
+
+        parse_mesh(self.mesh)
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Schema defaults <- YAML file <- `key=value` overrides, validated into a TrainConfig."""
+    merged = OmegaConf.structured(TrainConfig)
+    try:
+        if path is not None:
+            path = pathlib.Path(path)
+            if not path.is_file():
+                raise UserError(f"config file {path} does not exist; see configs/ for the shipped ones")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise UserError(f"override {item!r} is not key=value, e.g. es.population=8")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_object(merged)
+    except omegaconf.errors.OmegaConfBaseException as e:
+        raise UserError(_one_line(e)) from None
+
+
+def _one_line(e: Exception) -> str:
+    msg = str(e).splitlines()[0]
+    key = getattr(e, "full_key", None)
+    if isinstance(e, omegaconf.errors.ConfigKeyError):
+        return f"{msg}: unknown config key {key!r}; see `python -m asyncres_jax.train --help-config`"
+    return f"config key {key!r}: {msg}" if key else msg
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def describe(schema: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Every option as 'key = default  # doc', for --help-config."""
+    lines = []
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        doc = f.metadata.get("doc", "")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(default):
+            lines.append(f"# {key}: {doc}")
+            lines.extend(describe(type(default), key + "."))
+        else:
+            lines.append(f"{key} = {default!r}  # {doc}")
+    return lines
