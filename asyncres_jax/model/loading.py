@@ -160,3 +160,38 @@ def load_hf_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the tokenizer in {model_dir}: {e}") from None
+
+
+def hf_config_dict(cfg: ModelConfig, dtype="float32") -> dict:
+    """config.json for `cfg` (readable by transformers v4 and v5, and by read_hf_config)."""
+    return {
+        "architectures": [cfg.architecture],
+        "model_type": "qwen2" if cfg.architecture == "Qwen2ForCausalLM" else "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids), "dtype": str(np.dtype(dtype)),
+    }
+
+
+def save_hf(model_dir: Path, cfg: ModelConfig, params: dict) -> None:
+    """Write config.json and model.safetensors in Hugging Face layout (the inverse of load_hf_params)."""
+    from safetensors.numpy import save_file
+
+    to_hf = {}
+    for name in list(_HF_GLOBAL) + [f"model.layers.{i}.{k}" for i in range(cfg.num_layers) for k in _HF_LAYER]:
+        path, transpose = hf_name_to_path(name)
+        to_hf[path] = (name, transpose)
+    tensors = {}
+    for path, leaf in flat_leaves(params).items():
+        name, transpose = to_hf[path]
+        x = np.asarray(jax.device_get(leaf))
+        tensors[name] = np.ascontiguousarray(x.T if transpose else x)
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    dtype = next(iter(tensors.values())).dtype
+    (model_dir / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype), indent=2))
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
