@@ -18,6 +18,7 @@ import uuid
 
 import pytest
 
+from asyncres_jax.envs.sandbox import Backend
 from asyncres_jax.envs.task import load_task
 from asyncres_jax.rollout.episodes import EpisodeConfig, ScriptedPolicy, run_episodes
 
@@ -97,27 +98,35 @@ def host_processes_with(marker: str) -> list[str]:
     return found
 
 
-def assert_nothing_survives(marker: str, backend, containers_before: set[str]):
+def assert_nothing_survives(marker: str, backend, sandboxes):
     deadline = time.monotonic() + 5  # killed processes may take a moment to be reaped
     while host_processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert host_processes_with(marker) == []
-    if backend.name == "docker":
-        assert _containers(backend) <= containers_before
+    for sb in sandboxes:  # the episode's containers are gone
+        if backend.name == "docker":
+            assert backend.client.containers.list(all=True, filters={"id": sb.container_id}) == []
 
 
-def _containers(backend) -> set[str]:
-    if backend.name != "docker":
-        return set()
-    from asyncres_jax.envs.docker_backend import LABEL
+class Recording(Backend):
+    """Passes through to a backend, keeping the sandboxes it started."""
 
-    return {c.id for c in backend.client.containers.list(all=True, filters={"label": f"{LABEL}=1"})}
+    def __init__(self, inner):
+        self.inner, self.name, self.started = inner, inner.name, []
+
+    def start(self, task):
+        sb = self.inner.start(task)
+        self.started.append(sb)
+        if self.name == "docker":  # the check after the episode would see a live container
+            assert len(self.inner.client.containers.list(all=True, filters={"id": sb.container_id})) == 1
+        return sb
 
 
 def play(backend, task, commands):
-    before = _containers(backend)
-    [result] = run_episodes(ScriptedPolicy(commands), [task], backend, CFG, seed=0)
-    return result, before
+    recording = Recording(backend)
+    [result] = run_episodes(ScriptedPolicy(commands), [task], recording, CFG, seed=0)
+    assert len(recording.started) == 1
+    return result, recording.started
 
 
 def observations(result) -> list[str]:
@@ -142,45 +151,48 @@ def test_the_process_scan_sees_a_live_marked_process():
 def test_fork_bomb(backend, task, host):
     mark = marker()
     # the shell stays to keep the bomb going until the command timeout kills it
-    result, before = play(backend, task, [f": {mark}; bomb() {{ bomb | bomb & }}; bomb; sleep 30", "echo alive"])
+    result, started = play(backend, task, [f": {mark}; bomb() {{ bomb | bomb & }}; bomb; sleep 30", "echo alive"])
     assert observations(result)[0].startswith("Command timed out after 2 seconds and was killed.")
     assert result.end == "done" and result.turns == 3 and result.graded and result.reward == 0.0
     assert observations(result)[1] == ALIVE  # the sandbox still works after the bomb
-    assert_nothing_survives(mark, backend, before)
+    assert_nothing_survives(mark, backend, started)
     assert_host_unchanged(host)
 
 
 def test_yes_flood_is_capped_and_killed(backend, task, host):
     mark = marker()
-    result, before = play(backend, task, [f"yes {mark}", "echo alive"])
+    result, started = play(backend, task, [f"yes {mark}", "echo alive"])
     flood = observations(result)[0]
-    assert flood.startswith(f"Command timed out after 2 seconds and was killed. Output: {mark}\n{mark}\n")
+    # killed at the timeout (bwrap), or stopped once the backend's output buffer is full (docker)
+    assert flood.startswith(("Command timed out after 2 seconds and was killed.", "Command failed."))
+    assert f"Output: {mark}\n{mark}\n" in flood
     assert len(flood) <= CFG.output_cap + 200 and "[output truncated" in flood
     assert observations(result)[1] == ALIVE and result.end == "done"
-    assert_nothing_survives(mark, backend, before)
+    assert_nothing_survives(mark, backend, started)
     assert_host_unchanged(host)
 
 
 def test_sleep_is_killed_at_the_command_timeout(backend, task, host):
     seconds = f"1000.{uuid.uuid4().int % 10**9}"  # a unique argument marks the process
     t = time.monotonic()
-    result, before = play(backend, task, [f"sleep {seconds}", "echo alive", task.solution.read_text()])
+    result, started = play(backend, task, [f"sleep {seconds}", "echo alive", task.solution.read_text()])
     assert time.monotonic() - t < 60
     assert observations(result)[0].startswith("Command timed out after 2 seconds and was killed.")
     assert observations(result)[1] == ALIVE
     assert (result.end, result.reward) == ("done", 1.0)  # the episode went on and solved the task
-    assert_nothing_survives(f"sleep\0{seconds}", backend, before)
+    assert_nothing_survives(f"sleep\0{seconds}", backend, started)
     assert_host_unchanged(host)
 
 
 def test_rm_rf_root(backend, task, host):
     mark = marker()
-    result, before = play(backend, task, [f"rm -rf --no-preserve-root / 2>/dev/null; : {mark}; echo done-rm",
+    result, started = play(backend, task, [f"rm -rf --no-preserve-root / 2>/dev/null; : {mark}; echo done-rm",
                                           "echo alive"])
-    assert "done-rm" in observations(result)[0] or "timed out" in observations(result)[0]
+    if backend.name == "bwrap":  # docker: the agent can delete the file its command's output is kept in
+        assert "done-rm" in observations(result)[0] or "timed out" in observations(result)[0]
     assert observations(result)[1] == ALIVE
     assert result.end == "done" and result.graded and result.reward == 0.0  # the log file it needed is gone
-    assert_nothing_survives(mark, backend, before)
+    assert_nothing_survives(mark, backend, started)
     assert_host_unchanged(host)
 
 
@@ -190,22 +202,22 @@ def test_writing_outside_home(backend, task, host):
     command = "; ".join(f"echo x > {t} && echo wrote {t}" for t in system)
     # /root and /tmp may be the sandbox's own scratch space: writing there must not reach the host's
     command += f"; echo x > /root/{name}; echo x > /tmp/{name}; echo x > /home/{name}; true"
-    result, before = play(backend, task, [command, "echo alive", task.solution.read_text()])
+    result, started = play(backend, task, [command, "echo alive", task.solution.read_text()])
     obs = observations(result)[0]
     assert obs.startswith("Command executed successfully") and "wrote" not in obs  # system writes refused
     assert (result.end, result.reward) == ("done", 1.0)
-    assert_nothing_survives(name, backend, before)
+    assert_nothing_survives(name, backend, started)
     assert_host_unchanged(host, *system, f"/root/{name}", f"/tmp/{name}", f"/home/{name}")
 
 
 def test_reading_a_file_in_the_hosts_home(backend, task, host):
     secret = next(p for p in host.planted if p.parent == pathlib.Path("/root"))
     command = f"cat {secret}; cat /proc/1/root{secret}; ls -la /root /home; grep -rs {host.token} /root /home /tmp"
-    result, before = play(backend, task, [command, "echo alive"])
+    result, started = play(backend, task, [command, "echo alive"])
     obs = observations(result)[0]
     assert obs.startswith("Command failed.") and f"root secret {host.token}" not in obs
     assert observations(result)[1] == ALIVE
-    assert_nothing_survives(host.token, backend, before)
+    assert_nothing_survives(host.token, backend, started)
     assert_host_unchanged(host)
 
 
@@ -230,7 +242,7 @@ def test_tcp_to_the_hosts_loopback(backend, task, host):
         command = (f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1)"
                    f".sendall(b'{mark}'); print('connected')\"; echo {mark} > /dev/tcp/127.0.0.1/{port} "
                    "&& echo connected")
-        result, before = play(backend, task, [command, "echo alive"])
+        result, started = play(backend, task, [command, "echo alive"])
     finally:
         stop.set()
         thread.join()
@@ -239,7 +251,7 @@ def test_tcp_to_the_hosts_loopback(backend, task, host):
     assert obs.startswith("Command failed.") and "connected" not in obs.replace(command, "")
     assert accepted == [], "the sandbox reached a server on the host's loopback"
     assert observations(result)[1] == ALIVE
-    assert_nothing_survives(mark, backend, before)
+    assert_nothing_survives(mark, backend, started)
     assert_host_unchanged(host)
 
 
@@ -248,9 +260,9 @@ def test_background_process_does_not_outlive_the_episode(backend, task, host):
     command = (f"nohup sleep {seconds} >/dev/null 2>&1 & disown; (setsid sleep {seconds} >/dev/null 2>&1 &); "
                "echo started")
     t = time.monotonic()
-    result, before = play(backend, task, [command, "echo alive", task.solution.read_text()])
+    result, started = play(backend, task, [command, "echo alive", task.solution.read_text()])
     assert observations(result)[0] == "Command executed successfully. Output: started\n (exit_code=0)"
     assert observations(result)[1] == ALIVE and (result.end, result.reward) == ("done", 1.0)
     assert time.monotonic() - t < 30  # the background job did not hold its command until the timeout
-    assert_nothing_survives(f"sleep\0{seconds}", backend, before)
+    assert_nothing_survives(f"sleep\0{seconds}", backend, started)
     assert_host_unchanged(host)
