@@ -18,7 +18,7 @@ def durations(seed: int, sigma: float, p_raise: float = 0.0, p_hang: float = 0.0
 
     def duration(job, attempt):
         rng = np.random.default_rng([seed, job.member_seed, attempt])
-        seconds = float(rng.lognormal(0.0, sigma))
+        seconds = min(float(rng.lognormal(0.0, sigma)), 15.0)  # under the 20 s deadline unless hung
         if attempt < 2:
             u = rng.uniform()
             if u < p_raise:
@@ -34,7 +34,7 @@ def durations(seed: int, sigma: float, p_raise: float = 0.0, p_hang: float = 0.0
 def schedules(draw, faults=False):
     n = draw(st.integers(4, 16))
     w = draw(st.integers(1, n - 1))
-    mode = draw(st.sampled_from(["sync", "async", "controlled"]))
+    mode = draw(st.sampled_from(["sync", "async", "async", "controlled"]))  # async has the most to get wrong
     kw = {}
     if mode == "async":
         kw["max_staleness"] = draw(st.integers(0, 3))
@@ -46,14 +46,14 @@ def schedules(draw, faults=False):
     return PoolConfig(population=n, num_workers=w, mode=mode, global_seed=draw(st.integers(0, 99)), **kw)
 
 
-sigmas = st.sampled_from([0.05, 0.5, 1.0, 1.5])
+sigmas = st.sampled_from([0.05, 0.5, 1.0, 1.5, 2.5])
 
 
-@settings(max_examples=40, deadline=None)
-@given(cfg=schedules(), seed=st.integers(0, 10**6), sigma=sigmas)
+@settings(max_examples=60, deadline=None)
+@given(cfg=schedules(), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.05, 1.0, 2.5, 2.5]))
 def test_no_accepted_result_is_staler_than_the_bound(cfg, seed, sigma):
-    run = simulate(cfg, durations(seed, sigma), num_updates=10)
-    assert not run.stalled and len(run.cohorts) == 10
+    run = simulate(cfg, durations(seed, sigma), num_updates=16)
+    assert not run.stalled and len(run.cohorts) == 16
     for c in run.cohorts:
         assert len(c.results) == cfg.population
         assert c.staleness.min() >= 0 and c.staleness.max() <= cfg.staleness_bound
@@ -132,7 +132,8 @@ def test_async_keeps_its_throughput_when_results_are_dropped():
     sync = _heavy_tail(PoolConfig(mode="sync", **base))
     async1 = _heavy_tail(PoolConfig(mode="async", max_staleness=1, **base))
     ms = async1.metrics
-    assert sum(m.dropped for m in ms) > 20  # the long tail does produce drops
+    assert sum(m.dropped for m in ms) > 20  # the long tail does produce drops ...
+    assert max(max(m.staleness_hist) for m in ms) == 1  # ... and none of them is accepted
     late = ms[len(ms) // 2:]
     # Dropped slots are refunded: workers never idle, in the second half of the run as in the first.
     assert np.mean([m.utilization for m in late]) > 0.99
