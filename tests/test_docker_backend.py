@@ -108,11 +108,18 @@ def test_commands_run_as_the_user_in_home_with_clean_output(backend, et_task):
         assert sb.run("echo state > s.txt").exit_code == 0 and sb.run("cat s.txt").output == "state\n"
 
 
-def test_a_background_job_does_not_hold_the_command(backend, et_task):
-    with backend.start(et_task) as sb:
+def test_a_background_job_neither_holds_the_command_nor_outlives_it(backend, et_task):
+    with backend.start(et_task) as sb:  # like bwrap: state persists through files, not processes
         r = sb.run("sleep 300 & echo started", timeout=60)
         assert (r.output, r.exit_code, r.timed_out) == ("started\n", 0, False)
-        assert "sleep 300" in sb.run("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").output  # still running
+        assert "sleep 300" not in sb.run("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").output
+
+
+def test_an_output_flood_is_capped_and_runs_until_its_timeout(backend, et_task):
+    with backend.start(et_task) as sb:
+        r = sb.run("yes flood", timeout=1)
+        assert r.timed_out and r.output.startswith("flood\nflood\n") and "[output truncated" in r.output
+        assert sb.run("echo alive").output == "alive\n"
 
 
 def test_timeout_kills_the_whole_process_tree(backend, et_task):

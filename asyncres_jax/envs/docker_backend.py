@@ -52,30 +52,35 @@ IMAGE_REPO = "localhost/asyncres-env"
 BASE_IMAGE = "localhost/asyncres-base:bookworm"  # what scripts/setup_system.sh builds
 ALIASES_ENV = "ASYNCRES_DOCKER_BASE_ALIASES"  # "ubuntu:22.04=localhost/asyncres-base:bookworm,..."
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
-RUN_DIR = "/run/asyncres"  # a small tmpfs per container: command output files, grading shims
+RUN_DIR = "/run/asyncres"  # a small tmpfs per container: the grading shims
 SHIMS_DIR = f"{RUN_DIR}/shims"
 KEEP_BYTES = 200_000  # command output read back from the container; clean_output caps it further
 GRADE_KEEP_BYTES = 4_000_000  # grading output must keep pytest's summary and the marker at the end
 
-# Runs one command: its output goes to a file (not the exec's stream), so a background job the command
-# leaves running cannot hold the exec open; `timeout -s KILL` kills the command's whole process group.
-_WRAPPER = r"""out=$(mktemp "$1/out.XXXXXX") || exit 125
-timeout -s KILL "$2" bash -c "$3" >"$out" 2>&1 </dev/null
-rc=$?
-head -c "$4" "$out"
-rm -f "$out"
-exit $rc"""
-
-# After a timeout: kill every process that inherited the command's marker, including those that left the
-# process group (setsid, double fork). Repeats until none is left, so a process forking meanwhile is caught.
-_KILLER = r"""m="ASYNCRES_CMD=$1"
-for round in 1 2 3 4 5 6 7 8 9 10; do
-  found=0
-  for d in /proc/[0-9]*; do
-    if tr '\0' '\n' <"$d/environ" 2>/dev/null | grep -qxF "$m"; then kill -9 "${d#/proc/}" 2>/dev/null; found=1; fi
+# Runs one command ($2) as `bash -c` under `timeout -s KILL` ($1 seconds), which kills its process group on
+# time-out. Every process of the command inherits the marker $4 in its environment; when the command's shell
+# ends (or is killed), every process still carrying the marker is killed too, including those that left the
+# process group (setsid, double fork): like the bwrap backend, nothing a command starts outlives it, and no
+# background job can hold the exec's output open. Only bash builtins run after the command, so a pids limit
+# exhausted by a fork bomb does not stop the clean-up. The output is read until EOF but only its first $3
+# bytes are kept (a `yes` flood runs, capped, until its time-out instead of failing on a full disk).
+_WRAPPER = r"""
+kill_marked() {
+  local round d e found
+  for round in 1 2 3 4 5 6 7 8 9 10; do
+    found=0
+    for d in /proc/[0-9]*; do
+      while IFS= read -r -d '' e; do
+        if [[ $e == "ASYNCRES_CMD=$1" ]]; then kill -9 "${d#/proc/}" 2>/dev/null; found=1; break; fi
+      done 2>/dev/null <"$d/environ"
+    done
+    ((found)) || return 0
   done
-  [ "$found" = 0 ] && exit 0
-done"""
+}
+(ASYNCRES_CMD="$4" timeout -s KILL "$1" bash -c "$2" </dev/null 2>&1; rc=$?; kill_marked "$4"; exit $rc) \
+  | { head -c "$3"; cat >/dev/null; }
+exit "${PIPESTATUS[0]}"
+"""
 
 
 def aliases_from_env() -> dict[str, str]:
@@ -103,10 +108,11 @@ class DockerConfig:
     command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S  # when run() is given no timeout
     memory_mb: int | None = None  # None: the task's memory_mb (task.toml)
     pids_limit: int = 512
-    run_tmpfs_mb: int = 64  # /run/asyncres; counts against the memory limit
+    run_tmpfs_mb: int = 16  # /run/asyncres; counts against the memory limit
     max_builds: int = 2  # concurrent image builds
     max_starts: int = 4  # concurrent container starts and removals (the engine's slowest calls)
     build_network: str = "host"  # builds may reach package registries; running containers get none
+    build_nocache: bool = False  # True: reuse no layer of earlier builds (cold-build measurements)
     api_timeout_s: float = 900.0  # socket timeout of engine calls; must exceed any command timeout
     sweep: bool = True  # remove leftover containers of dead runs when the backend starts
 
@@ -236,16 +242,12 @@ class DockerSandbox(Sandbox):
                      keep_bytes: int) -> tuple[bytes, int, bool, float]:
         if self._closed:
             raise RuntimeError("run() on a closed sandbox")
-        marker = uuid.uuid4().hex
         t0 = time.monotonic()
-        out, _, rc = self._exec(["sh", "-c", _WRAPPER, "asyncres", RUN_DIR, f"{timeout:.3f}", command,
-                                 str(keep_bytes)], user, {**env, "ASYNCRES_CMD": marker})
+        out, _, rc = self._exec(["bash", "-c", _WRAPPER, "asyncres", f"{timeout:.3f}", command, str(keep_bytes),
+                                 uuid.uuid4().hex], user, env)
         seconds = time.monotonic() - t0
         # `timeout -s KILL` dies with its process group: 137 after the full time means it fired.
         timed_out = rc == 137 and seconds >= timeout
-        if timed_out:
-            # as the command's user: without CAP_SYS_PTRACE, root in a container cannot read others' environ
-            self._exec(["sh", "-c", _KILLER, "asyncres-kill", marker], user)
         return out, rc, timed_out, seconds
 
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
@@ -376,7 +378,8 @@ class DockerBackend(Backend):
             try:
                 image, _ = self.client.images.build(
                     fileobj=io.BytesIO(ctx), custom_context=True, tag=tag, rm=True, forcerm=True,
-                    network_mode=self.cfg.build_network, labels={LABEL: "1", HASH_LABEL: key, "asyncres.task": task.name})
+                    nocache=self.cfg.build_nocache, network_mode=self.cfg.build_network,
+                    labels={LABEL: "1", HASH_LABEL: key, "asyncres.task": task.name})
             except docker.errors.BuildError as e:
                 tail = " | ".join(str(x.get("stream", x.get("error", ""))).strip() for x in list(e.build_log)[-4:])
                 raise UserError(f"building the image of task {task.name} failed: {e.msg}; last output: "
