@@ -12,12 +12,13 @@ from asyncres_jax.rollout.coordinator import (
     UpdateMetrics,
     batch_seeds,
 )
+from asyncres_jax.rollout.es_store import es_param_store
 from asyncres_jax.rollout.pool import Replica, RolloutPool, replicas_from_mesh
 from asyncres_jax.rollout.simulate import Outcome, SimRun, simulate
 from asyncres_jax.rollout.store import LogEntry, ParamStore
 
 __all__ = [
     "Accepted", "Attempt", "Cohort", "Coordinator", "Job", "JobResult", "LogEntry", "Outcome", "ParamStore",
-    "PoolConfig", "Replica", "RolloutPool", "SimRun", "UpdateMetrics", "batch_seeds", "replicas_from_mesh",
+    "PoolConfig", "Replica", "RolloutPool", "SimRun", "UpdateMetrics", "batch_seeds", "es_param_store", "replicas_from_mesh",
     "simulate",
 ]
