@@ -58,3 +58,20 @@ def test_smollm2_logits_match_transformers_gguf(smollm2):
     assert got.shape == want.shape == (1, ids.shape[1], 49152)
     assert np.abs(got - want).max() <= 1e-3
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_tokenizer_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
+    from asyncres_jax.model.gguf import _tokenizer_cache_dir, load_gguf_tokenizer
+
+    monkeypatch.setenv("ASYNCRES_CACHE", str(tmp_path))
+    path = named_model_path("smollm2-135m-instruct")
+    fresh = load_gguf_tokenizer(path)  # converted from the GGUF, then written to the cache
+    assert (_tokenizer_cache_dir(path) / "tokenizer.json").is_file()
+    cached = load_gguf_tokenizer(path)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ls -la ~ <think>é</think>"}]
+    for tok in (fresh, cached):
+        assert tok.apply_chat_template(msgs, tokenize=False) == fresh.apply_chat_template(msgs, tokenize=False)
+        text = fresh.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert tok(text)["input_ids"] == fresh(text)["input_ids"]
+        assert (tok.eos_token, tok.bos_token, tok.pad_token) == (fresh.eos_token, fresh.bos_token, fresh.pad_token)
+    assert cached.decode(cached(text)["input_ids"]) == text

@@ -7,7 +7,10 @@ rotate-half RoPE applies. Qwen2 GGUFs are stored unpermuted (llama.cpp runs them
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -125,10 +128,40 @@ def load_gguf_params(reader, cfg: ModelConfig, path: Path, dtype, shardings=None
     return unflatten(filled)
 
 
-def load_gguf_tokenizer(path: Path):
+def _tokenizer_cache_dir(path: Path) -> Path:
+    root = Path(os.environ.get("ASYNCRES_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "asyncres_jax")
+    st = path.stat()
+    return root / "tokenizers" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def load_gguf_tokenizer(path: Path, use_cache: bool = True):
+    """transformers' tokenizer (with chat template) read from the GGUF file.
+
+    Converting a GGUF vocabulary takes seconds, so the result is saved once in the user's cache
+    (keyed by file name, size and mtime; ASYNCRES_CACHE overrides the place) and reloaded from there.
+    """
     from transformers import AutoTokenizer
 
+    cached = _tokenizer_cache_dir(path)
+    if use_cache and (cached / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache entry: rebuild it below
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot read the tokenizer in {path}: {e}") from None
+    if use_cache:
+        tmp = None
+        try:  # write aside, then rename: concurrent loaders never see a half-written entry
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+            tok.save_pretrained(str(tmp))
+            shutil.rmtree(cached, ignore_errors=True)
+            os.replace(tmp, cached)
+        except OSError:  # read-only or full cache, or another process won the race: only costs time
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return tok
