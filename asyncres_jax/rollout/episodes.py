@@ -163,6 +163,69 @@ class _ScriptedBatch(PolicyBatch):
         return replies
 
 
+class ModelPolicy(Policy):
+    """A language model with given parameters, through the generation engine (asyncres_jax.model.generate).
+
+    Each turn is one batched `engine.generate` over the live episodes; observations are appended with
+    `engine.extend` (no re-prefill of the history; the engine keeps a rolling context), and episodes that ended
+    leave the batch, their token state kept for the results.
+
+    perturbation_fn is the hook for a low-rank population (issue 5): given the episode indices in the batch,
+    in batch order, it returns the engine's `perturbation` for those rows (e.g. each row's member and sign).
+    It is called whenever the batch changes, so rows and perturbation always line up.
+    """
+
+    def __init__(self, engine, params, *, max_new_tokens: int = 2048, sampling: Any = None,
+                 stop: Sequence[str] = protocol.STOP_STRINGS,
+                 perturbation_fn: Callable[[list[int]], Any] | None = None):
+        self.engine, self.params, self.max_new_tokens = engine, params, max_new_tokens
+        self.sampling, self.stop, self.perturbation_fn = sampling, tuple(stop), perturbation_fn
+
+    @classmethod
+    def from_config(cls, engine, params, cfg: EpisodeConfig, **kw) -> "ModelPolicy":
+        from asyncres_jax.model.sampling import Sampling
+
+        return cls(engine, params, max_new_tokens=cfg.max_new_tokens,
+                   sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p), **kw)
+
+    def perturbation(self, rows: list[int]) -> Any:
+        return None if self.perturbation_fn is None else self.perturbation_fn(list(rows))
+
+    def begin(self, conversations, seed):
+        rows = list(range(len(conversations)))
+        conv = self.engine.start(self.params, [list(c) for c in conversations], seed,
+                                 perturbation=self.perturbation(rows))
+        return _ModelBatch(self, conv, rows)
+
+
+class _ModelBatch(PolicyBatch):
+    def __init__(self, policy: ModelPolicy, conv: Any, rows: list[int]):
+        self.policy, self.conv, self.rows = policy, conv, rows  # rows[k]: the episode in the batch's row k
+        self.pert, self.states = policy.perturbation(rows), {}
+
+    def _keep_states(self, positions: Sequence[int]) -> None:
+        tokens, mask, logprobs = self.conv.tokens, self.conv.generated_mask, self.conv.logprobs
+        for k in positions:
+            self.states[self.rows[k]] = TokenState(ids=tokens[k], generated_mask=mask[k], logprobs=logprobs[k])
+
+    def step(self, rows, new_messages):
+        p, engine, rows = self.policy, self.policy.engine, list(rows)
+        if rows != self.rows or any(new_messages):
+            staying = dict(zip(rows, new_messages))
+            self._keep_states([k for k, r in enumerate(self.rows) if r not in staying])
+            # None: the row leaves the batch (its episode ended)
+            self.conv = engine.extend(self.conv, [list(staying[r]) if r in staying else None for r in self.rows])
+            if rows != self.rows:
+                self.rows, self.pert = rows, p.perturbation(rows)
+        self.conv, texts = engine.generate(p.params, self.conv, p.max_new_tokens, p.sampling, p.stop,
+                                           perturbation=self.pert)
+        return list(texts)
+
+    def token_states(self):
+        self._keep_states(range(len(self.rows)))
+        return dict(self.states)
+
+
 # ---------------------------------------------------------------------------------------------------- the runner
 
 
