@@ -115,18 +115,34 @@ def leaf_factors(key: jax.Array, shape: tuple[int, ...], rank: int) -> LowRank:
     )
 
 
-def leaf_noise(key: jax.Array, shape: tuple[int, ...], cfg: ESConfig) -> jax.Array:
-    """eps of one leaf, float32."""
-    if is_lowrank_leaf(shape, cfg):
-        f = leaf_factors(key, shape, cfg.rank)
-        ab = jnp.einsum("...mr,...nr->...mn", f.a, f.b, precision=jax.lax.Precision.HIGHEST)
-        return ab / np.float32(math.sqrt(cfg.rank))
-    return jax.random.normal(key, shape, jnp.float32)
-
-
 def constrain(x: jax.Array, sharding) -> jax.Array:
     """Pin x to a parameter's NamedSharding (None: let XLA decide)."""
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def outer_sum(a_mk: jax.Array, b_nk: jax.Array, sharding=None) -> jax.Array:
+    """sum_k a[..., m, k] b[..., n, k] (= a @ b^T), as rank-1 terms accumulated in a fixed order.
+
+    A BLAS matmul's summation order depends on the block of the output each device computes, so its result
+    changes in the last bit between meshes; this elementwise accumulation is bit-identical on every mesh
+    and, on CPU, about as fast as the dot for the small k of low-rank noise.
+    """
+    acc = constrain(jnp.zeros(a_mk.shape[:-1] + b_nk.shape[-2:-1], jnp.float32), sharding)
+
+    def add_rank1(acc, ab):
+        a_m, b_n = ab
+        return acc + a_m[..., :, None] * b_n[..., None, :], None
+
+    acc, _ = jax.lax.scan(add_rank1, acc, (jnp.moveaxis(a_mk, -1, 0), jnp.moveaxis(b_nk, -1, 0)))
+    return constrain(acc, sharding)
+
+
+def leaf_noise(key: jax.Array, shape: tuple[int, ...], cfg: ESConfig, sharding=None) -> jax.Array:
+    """eps of one leaf, float32."""
+    if is_lowrank_leaf(shape, cfg):
+        f = leaf_factors(key, shape, cfg.rank)
+        return outer_sum(f.a, f.b, sharding) / np.float32(math.sqrt(cfg.rank))
+    return constrain(jax.random.normal(key, shape, jnp.float32), sharding)
 
 
 def named_shardings(leaves) -> tuple:
@@ -160,7 +176,7 @@ def noise(params, seed: int, cfg: ESConfig):
 def _noise_jit(seed, spec, shardings):
     (leaf_specs, cfg) = spec
     return [
-        constrain(leaf_noise(leaf_key(seed, lid), shape, cfg), s) for (shape, lid), s in zip(leaf_specs, shardings)
+        leaf_noise(leaf_key(seed, lid), shape, cfg, s) for (shape, lid), s in zip(leaf_specs, shardings)
     ]
 
 
@@ -181,7 +197,7 @@ def _perturb_jit(leaves, seed, scale, spec, shardings):
     (leaf_specs, cfg) = spec
     out = []
     for x, (shape, lid), s in zip(leaves, leaf_specs, shardings):
-        eps = constrain(leaf_noise(leaf_key(seed, lid), shape, cfg), s)
+        eps = leaf_noise(leaf_key(seed, lid), shape, cfg, s)
         out.append(constrain((x.astype(jnp.float32) + scale * eps).astype(x.dtype), s))
     return out
 

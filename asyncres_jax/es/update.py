@@ -7,7 +7,8 @@ With the default optax.sgd(alpha) this is theta + alpha/N * sum_i z_i eps_i, the
 Memory: for each leaf one jitted call scans the members and accumulates sum z_i eps_i in float32, so beyond the
 parameters (and the optimiser state) only about one leaf's worth of buffers is alive at a time. With
 donate=True the old parameter and optimiser-state buffers are reused for the new ones. In lowrank mode a
-matrix's sum is one matmul of the stacked factors: sum_i z_i A_i B_i^T = [z_i A_i]_i [B_i]_i^T.
+matrix's sum is one product of the stacked factors, sum_i z_i A_i B_i^T = [z_i A_i]_i [B_i]_i^T, contracted
+by noise.outer_sum in a fixed order so that it is bit-identical on every mesh.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from asyncres_jax.es.noise import (
     leaf_key,
     leaf_noise,
     named_shardings,
+    outer_sum,
 )
 from asyncres_jax.es.shaping import check_fitness, shape_fitness
 
@@ -81,12 +83,11 @@ def leaf_estimate(seeds_s, coeffs_s, leaf_id, shape, cfg: ESConfig, sharding) ->
             x = jnp.moveaxis(x, 0, -2)
             return x.reshape(*x.shape[:-2], -1)
 
-        ab = jnp.einsum("...mk,...nk->...mn", stack(a_smr), stack(f.b), precision=jax.lax.Precision.HIGHEST)
-        return constrain(ab / np.float32(math.sqrt(cfg.rank)), sharding)
+        return outer_sum(stack(a_smr), stack(f.b), sharding) / np.float32(math.sqrt(cfg.rank))
 
     def add_member(acc, seed_coeff):
         seed, coeff = seed_coeff
-        return acc + coeff * constrain(leaf_noise(leaf_key(seed, leaf_id), shape, cfg), sharding), None
+        return acc + coeff * leaf_noise(leaf_key(seed, leaf_id), shape, cfg, sharding), None
 
     acc = constrain(jnp.zeros(shape, jnp.float32), sharding)
     return jax.lax.scan(add_member, acc, (seeds_s, coeffs_s))[0]
@@ -107,6 +108,12 @@ _step = jax.jit(_leaf_step, static_argnums=(6, 7))
 _step_donating = jax.jit(_leaf_step, static_argnums=(6, 7), donate_argnums=(0, 1))
 
 
+@functools.lru_cache(maxsize=64)
+def _state_structure(treedef, shapes_dtypes, cfg: ESConfig):
+    shapes = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes])
+    return jax.tree.structure(jax.eval_shape(lambda p: init(p, cfg), shapes))
+
+
 def apply_logged_update(params, opt_state: ESState, seeds, shaped_fitness, cfg: ESConfig, *, donate: bool = False):
     """One ES step from already shaped fitness z [N] (what a replay log stores next to the seeds).
 
@@ -121,11 +128,11 @@ def apply_logged_update(params, opt_state: ESState, seeds, shaped_fitness, cfg: 
     for kp, x in flat:
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise UserError(f"parameter {jax.tree_util.keystr(kp)} has dtype {x.dtype}; ES perturbs floating leaves only")
-    try:
-        opt_leaves = treedef.flatten_up_to(opt_state.opt)
-        anchors = treedef.flatten_up_to(opt_state.init_params) if cfg.weight_decay > 0 else [None] * len(leaves)
-    except (ValueError, TypeError, AttributeError) as e:
-        raise UserError(f"opt_state does not match the parameters or the config ({e}); build it with es.init(params, cfg)")
+    expected = _state_structure(treedef, tuple((x.shape, x.dtype) for x in leaves), cfg)
+    if not isinstance(opt_state, ESState) or jax.tree.structure(opt_state) != expected:
+        raise UserError("opt_state does not match the parameters or the ES config; build it with es.init(params, cfg)")
+    opt_leaves = treedef.flatten_up_to(opt_state.opt)
+    anchors = treedef.flatten_up_to(opt_state.init_params) if cfg.weight_decay > 0 else [None] * len(leaves)
     step = _step_donating if donate else _step
     new_params, new_opt = [], []
     for x, s, anchor, lid, sharding in zip(leaves, opt_leaves, anchors, leaf_ids(params, cfg), named_shardings(leaves)):
