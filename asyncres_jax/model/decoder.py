@@ -29,6 +29,8 @@ class Perturbation(Protocol):
     `dense(path, x, transpose)` returns the extra term of x @ W (x @ W.T when transpose) for the
     2-D leaf at `path`; `embed(path, tokens_bt)` the extra rows for an embedding lookup;
     `vector(path, value)` the (possibly per-row, [B, 1, n]) value to use for the 1-D leaf at `path`.
+    Paths are the params leaf paths ("layers/3/attn/q_proj/kernel"). To cross a jit boundary the object
+    must be a pytree (e.g. a flax.struct dataclass holding the factors and each row's member and sign).
     """
 
     def dense(self, path: str, x: Array, transpose: bool) -> Array: ...

@@ -68,9 +68,17 @@ def unflatten(flat: dict[str, object]) -> dict:
 
 
 def place(shape: tuple[int, ...], dtype, sharding: Sharding, read: SliceReader) -> jax.Array:
-    """Build one sharded array; each addressable device's shard is read on its own."""
+    """Build one sharded array; each distinct shard is read once (replicas over "data" reuse it)."""
     np_dtype = np.dtype(jnp.dtype(dtype))
-    return jax.make_array_from_callback(shape, sharding, lambda idx: np.asarray(read(idx), dtype=np_dtype))
+    shards: dict = {}
+
+    def shard(idx):
+        key = tuple((s.start, s.stop, s.step) for s in idx)
+        if key not in shards:
+            shards[key] = np.asarray(read(idx), dtype=np_dtype)
+        return shards[key]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:
