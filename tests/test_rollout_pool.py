@@ -162,3 +162,40 @@ def test_workers_must_match_the_configuration():
     store = ParamStore({}, apply_update=lambda p, o, s, z: (p, o), shape=lambda f: f)
     with pytest.raises(ValueError, match="num_workers=4"):
         RolloutPool(Coordinator(cfg, member_seed=lambda g, v, i: i), store, sleepy, replicas=[Replica(0)])
+
+
+def test_workers_keep_reporting_while_the_learner_applies_an_update():
+    windows, history = [], {}
+
+    def slow_update(p, o, s, z):  # a learner step that takes much longer than one job
+        t0 = time.monotonic()
+        time.sleep(0.03)
+        windows.append((t0, time.monotonic()))
+        return sgd(p, s, z), o
+
+    seen = []
+
+    def job_fn(job, params):
+        seen.append((job.dispatch_version, params["w"].copy()))
+        return sleepy(job, params)
+
+    cfg = PoolConfig(population=6, num_workers=3, mode="async", max_staleness=2)
+    store = ParamStore({"w": np.zeros(4, np.float32)}, apply_update=slow_update, shape=lambda f: f - f.mean(),
+                       replay=sgd, max_replay=3)
+    coord = Coordinator(cfg, member_seed=lambda g, v, i: 1000 * v + i)
+    history[0] = store.params
+    arrivals = []
+
+    def on_commit(cohort):
+        history[store.version] = store.params
+        arrivals.extend(r.arrived for r in cohort.results)
+
+    pool = RolloutPool(coord, store, job_fn, on_commit=on_commit)
+    with pool:
+        pool.run_until(5, timeout=30)
+        pool.drain(timeout=30)
+    for v, w in seen:  # no job ever ran on weights that were not yet published
+        np.testing.assert_array_equal(w, history[v]["w"])
+    # Results keep arriving during learner steps (they are accepted against the new version).
+    during = [t for t in arrivals if any(t0 < t < t1 for t0, t1 in windows)]
+    assert len(during) >= 3

@@ -3,8 +3,9 @@
 Each replica (a sub-mesh of M devices from the mesh's data axis) keeps one copy of the weights and a version;
 one or more worker threads share it. A worker takes an attempt from the coordinator, brings the replica's
 weights to the job's dispatch version (replay of the store's log, or a copy), runs job_fn(job, params) and
-reports the result. Cohorts are committed to the store under the pool lock, so a job never sees a version
-whose parameters are not published yet.
+reports the result. A completed cohort is committed to the store by the worker that completed it, outside the
+pool lock: other workers keep reporting results meanwhile (judged against the new version), but no job of the
+new version starts before its parameters are published.
 
 Python cannot kill a thread: a job that passes its deadline is re-issued to another worker, and its own
 worker rejoins the pool when job_fn finally returns (episodes have their own wall-clock limits).
@@ -12,6 +13,7 @@ worker rejoins the pool when job_fn finally returns (episodes have their own wal
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -81,6 +83,8 @@ class RolloutPool:
         self.on_commit, self.clock, self.poll_seconds = on_commit, clock, poll_seconds
         self.metrics: list[UpdateMetrics] = []
         self._cond = threading.Condition()
+        self._commit_lock = threading.Lock()  # one learner step at a time, cohorts in order
+        self._pending: collections.deque[Cohort] = collections.deque()
         self._threads: list[threading.Thread] = []
         self._stop = False
         self._error: BaseException | None = None
@@ -125,14 +129,14 @@ class RolloutPool:
     def run_until(self, version: int, timeout: float | None = None) -> list[UpdateMetrics]:
         """Start if needed and block until the store has published `version`; returns all metrics so far."""
         self.start()
-        self._wait_for(lambda: self.coordinator.version >= version, timeout, f"version {version}")
+        self._wait_for(lambda: self.store.version >= version, timeout, f"version {version}")
         return list(self.metrics)
 
     def drain(self, timeout: float | None = None) -> None:
         """Stop dispatching and wait until every running job is accounted (before checkpoints/evals)."""
         with self._cond:
             self.coordinator.drain()
-        self._wait_for(lambda: self.coordinator.quiescent, timeout, "drain")
+        self._wait_for(lambda: self.coordinator.quiescent and self._published(), timeout, "drain")
 
     def resume(self) -> None:
         with self._cond:
@@ -166,11 +170,12 @@ class RolloutPool:
             while True:
                 if self._stop and not self.coordinator.reissues_pending:
                     return None  # shutting down: only owed re-issues still run
-                attempt = self.coordinator.dispatch(self.clock())
+                attempt = self.coordinator.dispatch(self.clock()) if self._published() else None
                 if attempt is not None:
                     v = attempt.job.dispatch_version
-                    if v == self.store.version:
-                        self._params_at[v] = self.store.params
+                    version, params = self.store.snapshot()
+                    if v == version:
+                        self._params_at[v] = params
                     return attempt, self._params_at[v]
                 if self.coordinator.fatal is not None:
                     self._error = self._error or self.coordinator.fatal
@@ -211,14 +216,33 @@ class RolloutPool:
                 with self._cond:
                     cohort = self.coordinator.on_result(attempt.attempt_id, result, self.clock())
                     if cohort is not None:
-                        self.store.commit(cohort.seeds, cohort.fitness)
-                        self.metrics.append(cohort.metrics)
-                        self._forget_old_params()
-                        if self.on_commit is not None:
-                            self.on_commit(cohort)
+                        self._pending.append(cohort)
                     self._cond.notify_all()
+                if cohort is not None:
+                    self._publish()
         except BaseException as e:  # a bug in the pool, store or on_commit: stop everything, report it
             self._fail(e)
+
+    def _published(self) -> bool:
+        """Every cohort the coordinator formed has been applied by the store (call under the pool lock)."""
+        return self.store.version == self.coordinator.version
+
+    def _publish(self) -> None:
+        """Apply pending cohorts in order (the learner step), without holding the pool lock."""
+        with self._commit_lock:
+            while True:
+                with self._cond:
+                    if not self._pending:
+                        return
+                    cohort = self._pending[0]
+                self.store.commit(cohort.seeds, cohort.fitness)
+                if self.on_commit is not None:
+                    self.on_commit(cohort)
+                with self._cond:
+                    self._pending.popleft()
+                    self.metrics.append(cohort.metrics)
+                    self._forget_old_params()
+                    self._cond.notify_all()
 
     def _forget_old_params(self) -> None:
         live = self.coordinator.unresolved_versions()
