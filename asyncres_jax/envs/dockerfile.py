@@ -81,7 +81,7 @@ def parse_dockerfile(text: str, *, source: str = "Dockerfile") -> list[Step]:
         stripped = raw.strip()
         if not stripped or stripped.startswith("#"):
             continue
-        # join continuation lines; comment lines inside a continuation are dropped (Docker does the same)
+        # join continuation lines as Docker does: backslash and newline vanish, comment lines are dropped
         logical = raw.rstrip()
         while logical.endswith("\\"):
             logical = logical[:-1]
@@ -89,7 +89,7 @@ def parse_dockerfile(text: str, *, source: str = "Dockerfile") -> list[Step]:
                 i += 1
             if i >= len(lines):
                 break
-            logical += "\n" + lines[i].rstrip()
+            logical += lines[i].rstrip()
             i += 1
         m = re.match(r"\s*([A-Za-z]+)\s*(.*)", logical, re.S)
         if m is None:

@@ -56,6 +56,10 @@ class Sandbox(abc.ABC):
     def grade(self) -> Grade:
         """Run the task's final-state tests against the current state."""
 
+    def grade_initial_state(self) -> Grade:
+        """Run the task's environment/test_initial_state.py against the current state (reward 1 = passes)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run initial-state tests")
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop every process of this sandbox and remove its state. Idempotent."""
