@@ -130,3 +130,21 @@ def test_the_es_store_replays_real_es_updates_bit_identically():
     adam = es_param_store(params, es.ESConfig(population=6, optimizer="adam"))
     adam.commit([es.member_seed(0, 0, i) for i in range(6)], np.linspace(0.0, 1.0, 6))
     assert adam.plan(0, 1) == "copy"  # Adam's moments are not in the log: only a copy is exact
+
+
+@pytest.mark.parametrize("updates", [0, 3])
+def test_state_dict_survives_an_orbax_checkpoint(tmp_path, updates):
+    import orbax.checkpoint as ocp
+
+    store = make_store(stateful=True)
+    commit_some(store, updates)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "store", store.state_dict())
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(tmp_path / "store")
+    back = make_store(stateful=True)
+    back.load_state_dict(state)
+    assert (back.version, back.log_start) == (updates, 0)
+    for v in range(updates):
+        np.testing.assert_array_equal(back.entries(v, v + 1)[0].seeds, store.entries(v, v + 1)[0].seeds)
+    np.testing.assert_array_equal(np.asarray(back.params["w"]), store.params["w"])

@@ -106,15 +106,18 @@ class ParamStore:
                 "log_start": np.int64(self.log_start),
                 "params": self.params,
                 "opt_state": self.opt_state,
-                "log_seeds": np.stack([e.seeds for e in entries]) if entries else np.zeros((0, 0), np.int64),
-                "log_shaped": np.stack([e.shaped for e in entries]) if entries else np.zeros((0, 0), np.float32),
+                # Orbax cannot save zero-size arrays: an empty log is one row of padding (its length is
+                # version - log_start).
+                "log_seeds": np.stack([e.seeds for e in entries]) if entries else np.zeros((1, 1), np.int64),
+                "log_shaped": np.stack([e.shaped for e in entries]) if entries else np.zeros((1, 1), np.float32),
             }
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self.params, self.opt_state = state["params"], state["opt_state"]
             self.version, self.log_start = int(state["version"]), int(state["log_start"])
-            seeds, shaped = np.asarray(state["log_seeds"]), np.asarray(state["log_shaped"], np.float32)
-            if len(seeds) != self.version - self.log_start:
+            n = self.version - self.log_start
+            seeds, shaped = np.asarray(state["log_seeds"])[:n], np.asarray(state["log_shaped"], np.float32)[:n]
+            if len(seeds) != n or len(shaped) != n:
                 raise ValueError(f"log has {len(seeds)} entries for versions {self.log_start}..{self.version}")
             self._log = {self.log_start + i: LogEntry(self.log_start + i, s, z) for i, (s, z) in enumerate(zip(seeds, shaped))}
