@@ -121,7 +121,7 @@ def load_model(source: str | Path, dtype: str = "float32", mesh: Mesh | str | No
         reader, cfg = read_gguf(path)
         m = _resolve_mesh(mesh, cfg)
         params = load_gguf_params(reader, cfg, path, dtype, shardings(cfg, m))
-        tokenizer = load_gguf_tokenizer(path)
+        tokenizer = load_gguf_tokenizer(path) if "tokenizer.ggml.model" in reader.fields else None
     else:
         raise UserError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
     return Model(cfg, params, tokenizer, m, str(source))
