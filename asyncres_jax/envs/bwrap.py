@@ -6,7 +6,8 @@ sandbox uid (one host uid per live sandbox, from a pool no account uses) with no
 runs with --unshare-all (user, pid, net, ipc, uts, cgroup namespaces: no network, not even the host's
 loopback; no host processes), --cap-drop ALL, --new-session and --die-with-parent. The file system is a
 read-only tmpfs root holding read-only binds of the host's system folders (/usr, /etc, /var, /opt, ...),
-empty tmpfs /root and /run, and the sandbox's own host folders bound writable at /home/user and /tmp. Inside,
+empty read-only /root, /home and /run (the host's are never mounted), and the sandbox's own host folders
+bound writable at /home/user and /tmp. Inside,
 the agent is uid 1000, `user`. Resource limits (CPU seconds, address space, file size, processes) are set by
 the shell that starts the command; the hard limits cannot be raised without privileges.
 
@@ -228,7 +229,8 @@ class BwrapBackend(Backend):
                 args += ["--ro-bind", str(p), str(p)]
         args += ["--ro-bind", str(system / "passwd"), "/etc/passwd",
                  "--ro-bind", str(system / "group"), "/etc/group",
-                 "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/root", "--tmpfs", "/run",
+                 # /root and /run: empty, and read-only once / is remounted (so are /home and /)
+                 "--proc", "/proc", "--dev", "/dev", "--perms", "0700", "--dir", "/root", "--dir", "/run",
                  "--perms", "0755", "--dir", "/home",
                  "--ro-bind", str(system / "shims"), SHIMS,
                  "--ro-bind", str(system / "prep-shims"), PREP_SHIMS,

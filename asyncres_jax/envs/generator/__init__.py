@@ -24,12 +24,15 @@ _BUCKETS = {"test": range(0, 12), "val": range(12, 16), "train": range(16, 100)}
 MAX_ATTEMPTS = 400
 
 
+def combination_id(fam: Family, variant: str, difficulty: str, params: tuple) -> str:
+    return hashlib.sha256(repr((fam.name, variant, difficulty, params)).encode()).hexdigest()[:16]
+
+
 def combination_split(fam: Family, variant: str, difficulty: str, params: tuple) -> str:
     """The one split a combination belongs to."""
     if variant in fam.held_out:
         return "test"
-    key = repr((fam.name, variant, difficulty, params)).encode()
-    bucket = int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 100
+    bucket = int(combination_id(fam, variant, difficulty, params), 16) % 100
     return next(s for s, r in _BUCKETS.items() if bucket in r)
 
 
@@ -92,7 +95,8 @@ def generate(out: str | pathlib.Path, n: int, seed: int, *, force: bool = False)
         fam_name = fam.name
         name = f"{fam_name}-{variant.replace('.', '')}-{difficulty}-{i:05d}"
         meta = {"family": fam_name, "domain": fam.domain, "variant": variant, "difficulty": difficulty,
-                "split": split, "generator_seed": seed, "category": fam.domain}
+                "split": split, "generator_seed": seed, "category": fam.domain,
+                "combination": combination_id(fam, variant, difficulty, spec.params)}
         write_task(root, name, spec, meta)
         splits[split].append(name)
     (root / "splits").mkdir(exist_ok=True)
@@ -101,4 +105,4 @@ def generate(out: str | pathlib.Path, n: int, seed: int, *, force: bool = False)
     return splits
 
 
-__all__ = ["FAMILIES", "DIFFICULTIES", "generate", "combination_split", "split_sizes", "draw"]
+__all__ = ["FAMILIES", "DIFFICULTIES", "generate", "combination_id", "combination_split", "split_sizes", "draw"]
