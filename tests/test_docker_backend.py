@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from asyncres_jax.envs import docker_backend as db
-from asyncres_jax.envs.task import load_task
+from asyncres_jax.envs.task import load_dataset, load_task
 from asyncres_jax.errors import UserError
 
 pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker")]
@@ -98,6 +98,21 @@ def test_image_key_follows_the_environment_and_the_aliases(backend, et_task, tmp
         assert other.image_key(et_task) != backend.image_key(et_task)
 
 
+# --- generated tasks ----------------------------------------------------------------------------------------
+
+def test_generated_tasks_score_1_with_the_oracle_and_0_with_nothing(backend, tmp_path_factory):
+    from asyncres_jax.envs.check import check_tasks
+    from asyncres_jax.envs.generator import generate
+
+    root = tmp_path_factory.mktemp("generated")
+    generate(root, 5, seed=0)
+    tasks = load_dataset(root)
+    records = list(check_tasks(backend, tasks, workers=2, oracle=True, noop_first=True, initial=True))
+    assert len(records) == 5 and len({t.family for t in tasks}) >= 4
+    for rec in records:  # one sandbox per task: initial-state tests, grade untouched (0), oracle, grade (1)
+        assert (rec["initial"], rec["noop_reward"], rec["reward"], rec["partial"]) == (1, 0, 1, 1.0), rec
+
+
 # --- commands -------------------------------------------------------------------------------------------------
 
 def test_commands_run_as_the_user_in_home_with_clean_output(backend, et_task):
@@ -156,7 +171,7 @@ def test_close_removes_the_container(backend, et_task):
 CRASHING_EPISODE = textwrap.dedent("""
     import sys
     from asyncres_jax.envs.docker_backend import DockerBackend
-    from asyncres_jax.envs.task import load_task
+    from asyncres_jax.envs.task import load_dataset, load_task
     backend = DockerBackend(sweep=False)
     sb = backend.start(load_task(sys.argv[1]))
     print(sb.container_id, flush=True)

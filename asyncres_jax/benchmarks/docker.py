@@ -2,8 +2,9 @@
 
 Builds (each on a private copy of the task whose Dockerfile gets a unique comment, so its cache key is new):
   cold            no layer reused (nocache): the task's apt-get/pip/useradd/printf steps all run
-  cached_layers   a new environment whose steps the engine has built before (a dataset of tasks sharing
-                  their install lines): only the cache key, the layer look-ups and the tag
+  new_task        the install step is cached (every task of a dataset shares it), the task's own steps after
+                  it are built: the usual cost of one more task
+  cached_layers   every step was built before (only the context changed): cache key, layer look-ups, tag
   cached_image    the image of this content exists (a later run, a fresh backend): hash + tag look-up
 Latency, sequentially, `--repeats` times: start (container create + start), one command (`echo`), grade,
 teardown (forced removal). Then `--parallel` episodes (start, command, teardown) from as many threads, with the
@@ -37,12 +38,17 @@ def _stats(xs: list[float]) -> dict[str, float]:
             "min": round(xs[0], 4), "n": len(xs)}
 
 
-def _variant(task_dir: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
-    """A copy of the task with a unique cache key (a comment appended to its Dockerfile)."""
+def _variant(task_dir: pathlib.Path, root: pathlib.Path, rebuild_after_install: bool) -> pathlib.Path:
+    """A copy of the task with a new cache key: a unique comment, or a unique step after the first RUN (the
+    install step), which makes every later step build again."""
     dst = root / f"{task_dir.name}-{uuid.uuid4().hex[:8]}"
     shutil.copytree(task_dir, dst)
     df = dst / "environment" / "Dockerfile"
-    df.write_text(df.read_text() + f"\n# bench {dst.name}\n")
+    text = df.read_text()
+    if rebuild_after_install:
+        second_run = text.index("\nRUN ", text.index("\nRUN ") + 1)
+        text = text[:second_run] + f"\nRUN echo {dst.name} >/dev/null" + text[second_run:]
+    df.write_text(text + f"\n# bench {dst.name}\n")
     return dst
 
 
@@ -54,20 +60,22 @@ def _timed(fn, *args):
 
 def bench_builds(backend: db.DockerBackend, task_dir: pathlib.Path, root: pathlib.Path) -> tuple[dict, list[str]]:
     images = []
-    cold_task = load_task(_variant(task_dir, root))
+    cold_task = load_task(_variant(task_dir, root, True))
     with db.DockerBackend(backend.cfg, build_nocache=True, sweep=False) as cold_backend:
         cold_s, (image, cold_built) = _timed(cold_backend.image_for, cold_task)
         images.append(image)
-    cached_task = load_task(_variant(task_dir, root))
+    new_s, (image, new_built) = _timed(backend.image_for, load_task(_variant(task_dir, root, True)))
+    images.append(image)
+    cached_task = load_task(_variant(task_dir, root, False))
     layers_s, (image, layers_built) = _timed(backend.image_for, cached_task)
     images.append(image)
     with db.DockerBackend(backend.cfg, sweep=False) as fresh:
         image_s, (_, image_built) = _timed(fresh.image_for, cached_task)
-    if (cold_built, layers_built, image_built) != (True, True, False):
+    if (cold_built, new_built, layers_built, image_built) != (True, True, True, False):
         raise RuntimeError("the image cache did not behave: a new variant was found, or a built one rebuilt")
     memo_s, _ = _timed(backend.image_for, cached_task)
-    return {"cold_s": round(cold_s, 3), "cached_layers_s": round(layers_s, 3), "cached_image_s": round(image_s, 4),
-            "in_process_s": round(memo_s, 5)}, images
+    return {"cold_s": round(cold_s, 3), "new_task_s": round(new_s, 3), "cached_layers_s": round(layers_s, 3),
+            "cached_image_s": round(image_s, 4), "in_process_s": round(memo_s, 5)}, images
 
 
 def bench_latency(backend: db.DockerBackend, task, repeats: int) -> dict:
@@ -108,7 +116,8 @@ def bench_parallel(backend: db.DockerBackend, task, episodes: int) -> dict:
 @cli_main
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m asyncres_jax.bench docker", description=__doc__.split("\n")[0])
-    ap.add_argument("--task", default=str(FIXTURE), help="a task directory (default: the ET-style test fixture)")
+    ap.add_argument("--task", default=str(FIXTURE), help="a task directory whose Dockerfile has at least two RUN "
+                    "steps (default: the ET-style test fixture)")
     ap.add_argument("--repeats", type=int, default=10, help="sequential episodes for the latency figures")
     ap.add_argument("--parallel", type=int, default=8, help="episodes started at once for the throughput figure")
     ap.add_argument("--no-builds", action="store_true", help="skip the build measurements")
