@@ -199,3 +199,20 @@ def test_workers_keep_reporting_while_the_learner_applies_an_update():
     # Results keep arriving during learner steps (they are accepted against the new version).
     during = [t for t in arrivals if any(t0 < t < t1 for t0, t1 in windows)]
     assert len(during) >= 3
+
+
+def test_on_commit_can_pause_the_pool_before_any_job_of_the_new_version_starts():
+    versions, lock = [], threading.Lock()
+
+    def job_fn(job, params):
+        with lock:
+            versions.append(job.dispatch_version)
+        return sleepy(job, params)
+
+    cfg = PoolConfig(population=6, num_workers=3, mode="async", max_staleness=1)
+    pool, store, coord = make(cfg, job_fn)
+    pool.on_commit = lambda cohort: coord.drain() if cohort.version + 1 >= 3 else None
+    with pool:
+        pool.run_until(3, timeout=30)
+        pool.drain(timeout=30)
+        assert store.version == 3 and max(versions) == 2

@@ -85,6 +85,7 @@ class RolloutPool:
         self._cond = threading.Condition()
         self._commit_lock = threading.Lock()  # one learner step at a time, cohorts in order
         self._pending: collections.deque[Cohort] = collections.deque()
+        self._published_version = store.version
         self._threads: list[threading.Thread] = []
         self._stop = False
         self._error: BaseException | None = None
@@ -129,7 +130,7 @@ class RolloutPool:
     def run_until(self, version: int, timeout: float | None = None) -> list[UpdateMetrics]:
         """Start if needed and block until the store has published `version`; returns all metrics so far."""
         self.start()
-        self._wait_for(lambda: self.store.version >= version, timeout, f"version {version}")
+        self._wait_for(lambda: self._published_version >= version, timeout, f"version {version}")
         return list(self.metrics)
 
     def drain(self, timeout: float | None = None) -> None:
@@ -224,8 +225,8 @@ class RolloutPool:
             self._fail(e)
 
     def _published(self) -> bool:
-        """Every cohort the coordinator formed has been applied by the store (call under the pool lock)."""
-        return self.store.version == self.coordinator.version
+        """Every cohort the coordinator formed is applied and announced (call under the pool lock)."""
+        return self._published_version == self.coordinator.version
 
     def _publish(self) -> None:
         """Apply pending cohorts in order (the learner step), without holding the pool lock."""
@@ -236,11 +237,12 @@ class RolloutPool:
                         return
                     cohort = self._pending[0]
                 self.store.commit(cohort.seeds, cohort.fitness)
-                if self.on_commit is not None:
-                    self.on_commit(cohort)
-                with self._cond:
+                with self._cond:  # on_commit sees the new version before any job of it can start
+                    if self.on_commit is not None:
+                        self.on_commit(cohort)
                     self._pending.popleft()
                     self.metrics.append(cohort.metrics)
+                    self._published_version = self.store.version
                     self._forget_old_params()
                     self._cond.notify_all()
 

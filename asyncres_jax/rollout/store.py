@@ -106,10 +106,10 @@ class ParamStore:
                 "log_start": np.int64(self.log_start),
                 "params": self.params,
                 "opt_state": self.opt_state,
-                # Orbax cannot save zero-size arrays: an empty log is one row of padding (its length is
-                # version - log_start).
-                "log_seeds": np.stack([e.seeds for e in entries]) if entries else np.zeros((1, 1), np.int64),
-                "log_shaped": np.stack([e.shaped for e in entries]) if entries else np.zeros((1, 1), np.float32),
+                # An empty log gives zero-size arrays, which Orbax refuses to save: keep the log in a
+                # checkpoint's JSON metadata then (it is small: N integers and N floats per update).
+                "log_seeds": np.stack([e.seeds for e in entries]) if entries else np.zeros((0, 0), np.int64),
+                "log_shaped": np.stack([e.shaped for e in entries]) if entries else np.zeros((0, 0), np.float32),
             }
 
     def load_state_dict(self, state: dict) -> None:
