@@ -59,14 +59,13 @@ class Step:
 
     def flags_and_args(self) -> tuple[dict[str, str], list[str]]:
         """COPY/ADD: (--flag=value options, positional args)."""
-        args = self.json_args()
-        if args is None:
-            args = shlex.split(self.text)
         flags = {}
-        while args and args[0].startswith("--"):
-            k, _, v = args.pop(0)[2:].partition("=")
-            flags[k] = v
-        return flags, args
+        rest = self.text.strip()
+        while (m := re.match(r"--([\w-]+)(?:=(\S*))?\s*", rest)) is not None:
+            flags[m.group(1)] = m.group(2) or ""
+            rest = rest[m.end():]
+        args = dataclasses.replace(self, text=rest).json_args()
+        return flags, args if args is not None else shlex.split(rest)
 
 
 def parse_dockerfile(text: str, *, source: str = "Dockerfile") -> list[Step]:
