@@ -174,3 +174,18 @@ def test_state_dict_round_trip_continues_the_same_schedule():
     assert jobs1 == jobs2
     with pytest.raises(RuntimeError, match="drain"):
         c1.state_dict()
+
+
+def test_a_reissue_that_could_only_be_dropped_is_not_rerun():
+    c = coordinator(mode="async", max_staleness=1)
+    first = [c.dispatch(0.0) for _ in range(8)]
+    for a in first[1:5]:
+        c.on_result(a.attempt_id, JobResult(1.0), 1.0)
+    extra = c.dispatch(1.0)
+    for a in first[5:] + [extra]:
+        c.on_result(a.attempt_id, JobResult(1.0), 2.0)
+    assert c.version == 2
+    c.on_failure(first[0].attempt_id, RuntimeError("crash"), 3.0)  # version 0: two updates old by now
+    nxt = c.dispatch(3.0)
+    assert nxt.job.job_id != first[0].job.job_id and nxt.job.dispatch_version == 2
+    assert c.dropped_unrun == {first[0].job.job_id} and c.dropped == 1

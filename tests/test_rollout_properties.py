@@ -80,13 +80,16 @@ def test_every_attempt_is_accepted_dropped_or_reissued_exactly_once(cfg, seed, s
         outs = [coord.outcomes.get(a.attempt_id) for a in attempts]
         # Every attempt but the last failed or timed out, and that is what caused the next one.
         assert all(o in ("failed", "expired") for o in outs[:-1])
-        assert outs[-1] in (None, "accepted", "dropped") or (job_id, outs[-1]) in {
-            (j.job_id, o) for j, _ in coord._reissue for o in ("failed", "expired")}
-    dropped = sum(o == "dropped" for o in coord.outcomes.values())
+        if outs[-1] in ("failed", "expired"):  # waiting to be re-issued, or dropped before a pointless rerun
+            assert (job_id in {j.job_id for j, _ in coord._reissue}) != (job_id in coord.dropped_unrun)
+        else:
+            assert outs[-1] in (None, "accepted", "dropped") and job_id not in coord.dropped_unrun
+    dropped = sum(o == "dropped" for o in coord.outcomes.values()) + len(coord.dropped_unrun)
     assert dropped == coord.dropped >= sum(m.dropped for m in run.metrics)
     # Jobs created = committed + dropped + waiting in the cohort/held buffers + running or owed.
     waiting = sum(len(rs) for rs in coord._held.values()) + len(coord._cohort)
-    unresolved = {j for j, atts in by_job.items() if coord.outcomes.get(atts[-1].attempt_id) in (None, "failed", "expired")}
+    unresolved = {j for j, atts in by_job.items()
+                  if coord.outcomes.get(atts[-1].attempt_id) in (None, "failed", "expired")} - coord.dropped_unrun
     assert coord.dispatched == len(by_job) + coord.carried_pending
     assert len(by_job) == len(committed) + dropped + waiting + len(unresolved)
 

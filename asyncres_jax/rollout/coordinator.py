@@ -210,7 +210,7 @@ class Coordinator:
         # One entry per attempt: "accepted", "dropped", "failed" or "expired"; "late" is added to `late`.
         self.outcomes: dict[int, str] = {}
         self.late: set[int] = set()
-        self.job_of_attempt: dict[int, int] = {}
+        self.dropped_unrun: set[int] = set()  # job ids whose re-issue came too late to be accepted: not rerun
         # Per-update accumulators.
         self._t_last = None
         self._t_commit = None
@@ -286,11 +286,19 @@ class Coordinator:
         self.dispatched += 1
         return job
 
+    def _too_stale(self, job: Job) -> bool:
+        return self.version - job.dispatch_version > self.config.staleness_bound
+
     def dispatch(self, now: float) -> Attempt | None:
         """The next attempt to run, or None when admission control (or a drain) says wait."""
         self._advance(now)
         if self.fatal is not None:
             return None
+        while self._reissue and self._too_stale(self._reissue[0][0]):
+            job, _ = self._reissue.popleft()  # it could only be dropped on arrival: drop it without running it
+            self.dropped_unrun.add(job.job_id)
+            self.dropped += 1
+            self._dropped_since += 1
         if self._reissue:  # re-issues go first and are allowed while draining: they are owed work
             job, number = self._reissue.popleft()
         elif self._carry:
@@ -303,7 +311,6 @@ class Coordinator:
         attempt = Attempt(self._next_attempt_id, job, number, now, deadline)
         self._next_attempt_id += 1
         self._live[attempt.attempt_id] = attempt
-        self.job_of_attempt[attempt.attempt_id] = job.job_id
         return attempt
 
     # ---------------------------------------------------------------- results and faults
@@ -332,7 +339,7 @@ class Coordinator:
         if job.job_id in self._held_jobs:
             self._held_jobs.discard(job.job_id)
             self._held[job.dispatch_version + self.config.delay].append(accepted)
-        elif self.version - job.dispatch_version > self.config.staleness_bound:
+        elif self._too_stale(job):
             self.dropped += 1
             self._dropped_since += 1
             self._wasted_since += work
