@@ -113,6 +113,16 @@ def test_generated_tasks_score_1_with_the_oracle_and_0_with_nothing(backend, tmp
         assert (rec["initial"], rec["noop_reward"], rec["reward"], rec["partial"]) == (1, 0, 1, 1.0), rec
 
 
+def test_a_task_with_only_a_setup_script_runs_it_as_the_user(backend, tmp_path):
+    task_dir = tmp_path / "setup-only"
+    shutil.copytree(FIXTURE, task_dir, ignore=shutil.ignore_patterns("Dockerfile"))
+    (task_dir / "environment" / "setup.sh").write_text(
+        "mkdir -p logs && printf 'x [billing] ERROR y\\n' > logs/app.log && id -un > whoami.txt\n")
+    with backend.start(load_task(task_dir)) as sb:
+        r = sb.run("cat whoami.txt; stat -c '%U %a' logs/app.log; pwd")
+        assert r.output == "user\nuser 644\n/home/user\n", r.output
+
+
 # --- commands -------------------------------------------------------------------------------------------------
 
 def test_commands_run_as_the_user_in_home_with_clean_output(backend, et_task):
@@ -121,6 +131,13 @@ def test_commands_run_as_the_user_in_home_with_clean_output(backend, et_task):
         assert r.output == "user\n/home/user\nred\nerr\n" and r.exit_code == 3 and not r.timed_out
         assert sb.run("touch /etc/x").exit_code != 0  # unprivileged
         assert sb.run("echo state > s.txt").exit_code == 0 and sb.run("cat s.txt").output == "state\n"
+
+
+def test_timeouts_must_fit_the_engine_calls(backend, et_task):
+    with backend.start(et_task) as sb:
+        for bad in (0, -1, backend.cfg.api_timeout_s):
+            with pytest.raises(UserError, match="api_timeout_s"):
+                sb.run("true", timeout=bad)
 
 
 def test_a_background_job_neither_holds_the_command_nor_outlives_it(backend, et_task):

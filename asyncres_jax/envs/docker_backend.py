@@ -26,7 +26,6 @@ import io
 import os
 import pathlib
 import re
-import shlex
 import socket
 import tarfile
 import tempfile
@@ -63,7 +62,7 @@ GRADE_KEEP_BYTES = 4_000_000  # grading output must keep pytest's summary and th
 # process group (setsid, double fork): like the bwrap backend, nothing a command starts outlives it, and no
 # background job can hold the exec's output open. Only bash builtins run after the command, so a pids limit
 # exhausted by a fork bomb does not stop the clean-up. The output is read until EOF but only its first $3
-# bytes are kept (a `yes` flood runs, capped, until its time-out instead of failing on a full disk).
+# bytes are kept (a `yes` flood runs, capped, until its time-out).
 _WRAPPER = r"""
 kill_marked() {
   local round d e found
@@ -132,7 +131,8 @@ def _synth_dockerfile() -> str:
     """A Dockerfile for a task that only has environment/setup.sh: like the bwrap backend, it runs as the user
     in /home/user, on the Ubuntu base with python3 and pytest for grading."""
     return ("FROM ubuntu:22.04\n"
-            "RUN apt-get update && apt-get install -y python3 python3-pytest\n"
+            "RUN python3 -c 'import pytest' 2>/dev/null || "
+            "(apt-get update && apt-get install -y python3 python3-pytest)\n"
             "RUN useradd -m -s /bin/bash user || true\n"
             "COPY . /tmp/asyncres-env\n"
             "USER user\n"
@@ -204,11 +204,14 @@ def connect(cfg: DockerConfig | None = None) -> "docker.DockerClient":
 
     cfg = cfg or DockerConfig()
     where = cfg.base_url or os.environ.get("DOCKER_HOST") or "the default socket"
+    client = None
     try:
         kw = dict(timeout=int(cfg.api_timeout_s), max_pool_size=max(10, 2 * cfg.max_starts + cfg.max_builds))
         client = docker.DockerClient(base_url=cfg.base_url, **kw) if cfg.base_url else docker.from_env(**kw)
         client.ping()
     except Exception as e:  # the SDK raises several unrelated types for "nothing there"
+        if client is not None:
+            client.close()
         raise UserError(f"no Docker-API engine answers at {where} ({type(e).__name__}); start Docker, or "
                         "podman's service (bash scripts/with_services.sh CMD), and set DOCKER_HOST") from None
     return client
@@ -242,6 +245,10 @@ class DockerSandbox(Sandbox):
                      keep_bytes: int) -> tuple[bytes, int, bool, float]:
         if self._closed:
             raise RuntimeError("run() on a closed sandbox")
+        limit = self._backend.cfg.api_timeout_s - 30  # the engine call must outlast the command
+        if not 0 < timeout <= limit:
+            raise UserError(f"timeout {timeout:g} s is not in (0, {limit:g}] s; give a positive timeout, or raise "
+                            "the docker backend's api_timeout_s")
         t0 = time.monotonic()
         out, _, rc = self._exec(["bash", "-c", _WRAPPER, "asyncres", f"{timeout:.3f}", command, str(keep_bytes),
                                  uuid.uuid4().hex], user, env)
@@ -396,14 +403,20 @@ class DockerBackend(Backend):
         cfg = self.cfg
         memory_mb = cfg.memory_mb or task.memory_mb
         with self._start_sem:
-            container = self.client.containers.run(
-                image_id, entrypoint=["sleep", "infinity"], command=[], detach=True, init=True,
+            container = self.client.containers.create(
+                image_id, entrypoint=["sleep", "infinity"], command=[], init=True,
                 network_mode="none", mem_limit=f"{memory_mb}m", memswap_limit=f"{memory_mb}m",
                 pids_limit=cfg.pids_limit, nano_cpus=int(task.cpus * 1e9), working_dir=cfg.workdir,
                 tmpfs={RUN_DIR: f"size={cfg.run_tmpfs_mb}m,mode=1777"}, name=f"asyncres-{uuid.uuid4().hex[:12]}",
                 labels={LABEL: "1", OWNER_LABEL: self._owner, "asyncres.task": task.name})
             with self._lock:
                 self._live.add(container.id)
+        try:
+            with self._start_sem:
+                container.start()
+        except Exception:
+            self._remove(container.id)  # created but not started: not left behind for the next sweep
+            raise
         return DockerSandbox(self, task, container.id)
 
     def _remove(self, container_id: str) -> None:
