@@ -7,6 +7,7 @@ The ES math is injected, so this module does not depend on asyncres_jax.es:
 `replay` exists only for the paper's SGD rule, where an update is a pure function of (seeds, shaped fitness):
 a worker then brings old weights up to date from the log and only integers and N floats per update travel.
 With a stateful optimiser (Adam) pass replay=None and workers copy the master parameters instead.
+apply_update must not donate (reuse) the old parameter buffers: workers may still be reading them.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ParamStore:
         self._log: dict[int, LogEntry] = {}
         self.log_start = version  # the oldest version the log can bring forward
         self._lock = threading.RLock()
+        self._commit_lock = threading.Lock()
 
     def snapshot(self) -> tuple[int, Params]:
         """(version, master params) as one consistent pair; params are immutable arrays, so this is O(1)."""
@@ -58,12 +60,14 @@ class ParamStore:
         """One ES update from a cohort: shape, apply, log, publish version + 1."""
         seeds = np.asarray(seeds)
         shaped = np.asarray(self._shape(np.asarray(fitness, np.float32)), np.float32)
-        with self._lock:
-            self.params, self.opt_state = self._apply_update(self.params, self.opt_state, seeds, shaped)
-            entry = LogEntry(self.version, seeds, shaped)
-            self._log[self.version] = entry
-            self.version += 1
-            return entry
+        with self._commit_lock:  # readers (snapshot, plan, entries) are not blocked by the learner step
+            params, opt_state = self._apply_update(self.params, self.opt_state, seeds, shaped)
+            with self._lock:
+                self.params, self.opt_state = params, opt_state
+                entry = LogEntry(self.version, seeds, shaped)
+                self._log[self.version] = entry
+                self.version += 1
+                return entry
 
     def entries(self, from_version: int, to_version: int) -> list[LogEntry]:
         with self._lock:
