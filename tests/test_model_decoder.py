@@ -10,6 +10,7 @@ from asyncres_jax.model.decoder import (KVCache, abstract_params, forward, grow_
                                         take_rows)
 
 CFG = ModelConfig.tiny()
+forward_jit = jax.jit(forward, static_argnames="cfg")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def _reference_logits(params, tokens, valid):
     out = np.zeros(tokens.shape + (CFG.vocab_size,), np.float32)
     for b in range(tokens.shape[0]):
         real = tokens[b][valid[b]][None]
-        logits, _ = forward(params, CFG, real, np.arange(real.shape[1])[None])
+        logits, _ = forward_jit(params, CFG, real, np.arange(real.shape[1])[None])
         out[b, valid[b]] = np.asarray(logits[0])
     return out
 
@@ -76,7 +77,7 @@ def _reference_logits(params, tokens, valid):
 def test_uncached_mask_and_positions_handle_pads_and_holes(params):
     tokens, valid, positions = _layout()
     ref = _reference_logits(params, tokens, valid)
-    logits, cache = forward(params, CFG, tokens, positions, attn_mask_bt=valid)
+    logits, cache = forward_jit(params, CFG, tokens, positions, attn_mask_bt=valid)
     assert cache is None
     np.testing.assert_allclose(np.asarray(logits)[valid], ref[valid], atol=1e-5)
 
@@ -84,7 +85,7 @@ def test_uncached_mask_and_positions_handle_pads_and_holes(params):
 def test_cached_decoding_matches_uncached_forward(params):
     tokens, valid, positions = _layout()
     ref = _reference_logits(params, tokens, valid)
-    step = jax.jit(forward, static_argnames="cfg")
+    step = forward_jit
     got = np.zeros_like(ref)
 
     # Prefill 6 slots into a short cache, grow it (bucket growth), a 3-token chunk, then one token at a time.
@@ -106,11 +107,11 @@ def test_take_rows_keeps_a_finished_batch_consistent(params):
     tokens, valid, positions = _layout()
     ref = _reference_logits(params, tokens, valid)
     cache = init_cache(CFG, 2, 16, jnp.float32)
-    _, cache = forward(params, CFG, tokens[:, :12], positions[:, :12], cache=cache, write_index=0,
-                       kv_valid_bs=valid)
+    _, cache = forward_jit(params, CFG, tokens[:, :12], positions[:, :12], cache=cache, write_index=0,
+                           kv_valid_bs=valid)
     cache = take_rows(cache, [1])  # row 0 finished and left the batch
-    logits, _ = forward(params, CFG, tokens[1:, 12:], positions[1:, 12:], cache=cache, write_index=12,
-                        kv_valid_bs=valid[1:])
+    logits, _ = forward_jit(params, CFG, tokens[1:, 12:], positions[1:, 12:], cache=cache, write_index=12,
+                            kv_valid_bs=valid[1:])
     np.testing.assert_allclose(np.asarray(logits)[valid[1:, 12:]], ref[1, 12:][valid[1, 12:]], atol=1e-5)
     with pytest.raises(ValueError, match="shrink"):
         grow_cache(cache, 4)
@@ -142,6 +143,7 @@ def test_perturbation_hook_equals_editing_the_weights(tied):
     edited = jax.tree_util.tree_map_with_path(
         lambda path, x: x + deltas["/".join(str(k.key) for k in path)], p)
     tokens, valid, positions = _layout()
-    want, _ = forward(edited, cfg, tokens, positions, attn_mask_bt=valid)
-    got, _ = forward(p, cfg, tokens, positions, attn_mask_bt=valid, perturbation=_FullRankDelta(deltas))
+    want, _ = forward_jit(edited, cfg, tokens, positions, attn_mask_bt=valid)
+    got = jax.jit(lambda p, d: forward(p, cfg, tokens, positions, attn_mask_bt=valid,
+                                          perturbation=_FullRankDelta(d))[0])(p, deltas)
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-5)

@@ -94,10 +94,9 @@ def test_index_naming_a_missing_shard(model_dir):
 
 
 def test_truncated_gguf(tmp_path):
-    data = named_model_path("smollm2-135m-instruct").read_bytes()
-    (tmp_path / "cut.gguf").write_bytes(data[:4096])
-    assert "cut.gguf is not a readable GGUF file" in _error(tmp_path / "cut.gguf")
-    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    # Cut inside the metadata; a cut inside the tensor data is tested in test_model_gguf_roundtrip.py.
+    with open(named_model_path("smollm2-135m-instruct"), "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(4096))
     assert "cut.gguf is not a readable GGUF file" in _error(tmp_path / "cut.gguf")
 
 

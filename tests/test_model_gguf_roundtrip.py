@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from asyncres_jax.errors import UserError
 from asyncres_jax.model import ModelConfig, init_params, load_model
 from asyncres_jax.model.loading import save_hf
 
@@ -72,3 +73,13 @@ def test_gguf_loads_the_same_weights_as_the_hf_directory(cfg, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, m.params, ref.params)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 7))
     np.testing.assert_allclose(np.asarray(m.logits(tokens)), np.asarray(ref.logits(tokens)), atol=1e-5)
+
+
+def test_gguf_truncated_inside_the_tensor_data_is_a_user_error(tmp_path):
+    cfg = ModelConfig.tiny()
+    save_hf(tmp_path / "hf", cfg, init_params(cfg, jax.random.key(0)))
+    _write_gguf(tmp_path / "m.gguf", cfg, load_file(tmp_path / "hf" / "model.safetensors"))
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) * 3 // 4])
+    with pytest.raises(UserError, match=r"cut.gguf is not a readable GGUF file .*truncated or corrupt$"):
+        load_model(tmp_path / "cut.gguf")
