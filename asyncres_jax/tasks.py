@@ -1,9 +1,11 @@
-"""python -m asyncres_jax.tasks generate|check|list ...
+"""python -m asyncres_jax.tasks generate|check|list|play ...
 
   generate --out DIR --n N --seed S            write N procedurally generated tasks and DIR/splits/*.txt
   check DIR... --backend bwrap|docker (--oracle | --noop) [--json] [--initial] [--split S]
                                                run each task's oracle (or nothing), grade, one line per task
   list DIR [--split S] [--json]                the tasks of a dataset (or split) with family and difficulty
+  play TASK --backend bwrap|docker --commands FILE [--json]
+                                               play a scripted episode, print the transcript and reward
 
 DIR may be one task directory or a dataset folder of them. `check` exits 1 when a task scores other than
 expected (1 with --oracle, 0 with --noop) or its initial-state tests fail.
@@ -120,6 +122,21 @@ def cmd_list(args) -> int:
         by = collections.Counter(t.difficulty or "-" for t in tasks)
         print(f"{len(tasks)} tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(by.items())), file=sys.stderr)
     return 0
+
+
+# --- play (asyncres_jax/rollout/play.py) ------------------------------------------------------------------
+
+def _play_args(p: argparse.ArgumentParser) -> None:
+    from asyncres_jax.rollout.play import add_arguments
+
+    add_arguments(p)
+
+
+@command("play", "play one scripted episode (one command a line) and print the transcript and reward", _play_args)
+def cmd_play(args) -> int:
+    from asyncres_jax.rollout.play import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,3 +22,18 @@ __all__ = [
     "PoolConfig", "Replica", "RolloutPool", "SimRun", "UpdateMetrics", "batch_seeds", "es_param_store", "replicas_from_mesh",
     "simulate",
 ]
+
+# the episode runner (episodes.py)
+from asyncres_jax.rollout.episodes import (  # noqa: E402
+    EpisodeConfig,
+    EpisodeResult,
+    ModelPolicy,
+    Policy,
+    PolicyBatch,
+    ScriptedPolicy,
+    TokenState,
+    run_episodes,
+)
+
+__all__ += ["EpisodeConfig", "EpisodeResult", "ModelPolicy", "Policy", "PolicyBatch", "ScriptedPolicy", "TokenState",
+            "run_episodes"]

@@ -173,13 +173,18 @@ class ModelPolicy(Policy):
     perturbation_fn is the hook for a low-rank population (issue 5): given the episode indices in the batch,
     in batch order, it returns the engine's `perturbation` for those rows (e.g. each row's member and sign).
     It is called whenever the batch changes, so rows and perturbation always line up.
+
+    first_reply_prefix (default none) is text the first reply starts with, put after the prompt instead of
+    generated (e.g. "<command>"): it steers a small model that ignores the format into running a command once.
+    It belongs to the prompt in the token state and is prepended to the first reply the parser sees.
     """
 
     def __init__(self, engine, params, *, max_new_tokens: int = 2048, sampling: Any = None,
                  stop: Sequence[str] = protocol.STOP_STRINGS,
-                 perturbation_fn: Callable[[list[int]], Any] | None = None):
+                 perturbation_fn: Callable[[list[int]], Any] | None = None, first_reply_prefix: str = ""):
         self.engine, self.params, self.max_new_tokens = engine, params, max_new_tokens
         self.sampling, self.stop, self.perturbation_fn = sampling, tuple(stop), perturbation_fn
+        self.first_reply_prefix = first_reply_prefix
 
     @classmethod
     def from_config(cls, engine, params, cfg: EpisodeConfig, **kw) -> "ModelPolicy":
@@ -192,16 +197,22 @@ class ModelPolicy(Policy):
         return None if self.perturbation_fn is None else self.perturbation_fn(list(rows))
 
     def begin(self, conversations, seed):
-        rows = list(range(len(conversations)))
-        conv = self.engine.start(self.params, [list(c) for c in conversations], seed,
-                                 perturbation=self.perturbation(rows))
-        return _ModelBatch(self, conv, rows)
+        rows, conversations = list(range(len(conversations))), [[dict(m) for m in c] for c in conversations]
+        if not self.first_reply_prefix:
+            conv = self.engine.start(self.params, conversations, seed, perturbation=self.perturbation(rows))
+            return _ModelBatch(self, conv, rows)
+        chat, encode = self.engine.model.chat_prompt, self.engine.encode
+        prompts = [encode(chat(c) + self.first_reply_prefix) for c in conversations]
+        conv = self.engine.start_tokens(self.params, prompts, seed, perturbation=self.perturbation(rows))
+        for row, c in zip(conv.rows, conversations):  # so later observations are templated as chat messages
+            row.messages = c
+        return _ModelBatch(self, conv, rows, prefix=self.first_reply_prefix)
 
 
 class _ModelBatch(PolicyBatch):
-    def __init__(self, policy: ModelPolicy, conv: Any, rows: list[int]):
+    def __init__(self, policy: ModelPolicy, conv: Any, rows: list[int], prefix: str = ""):
         self.policy, self.conv, self.rows = policy, conv, rows  # rows[k]: the episode in the batch's row k
-        self.pert, self.states = policy.perturbation(rows), {}
+        self.pert, self.states, self.prefix = policy.perturbation(rows), {}, prefix
 
     def _keep_states(self, positions: Sequence[int]) -> None:
         tokens, mask, logprobs = self.conv.tokens, self.conv.generated_mask, self.conv.logprobs
@@ -219,7 +230,8 @@ class _ModelBatch(PolicyBatch):
                 self.rows, self.pert = rows, p.perturbation(rows)
         self.conv, texts = engine.generate(p.params, self.conv, p.max_new_tokens, p.sampling, p.stop,
                                            perturbation=self.pert)
-        return list(texts)
+        prefix, self.prefix = self.prefix, ""
+        return [prefix + t for t in texts]
 
     def token_states(self):
         self._keep_states(range(len(self.rows)))
