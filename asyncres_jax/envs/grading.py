@@ -125,6 +125,12 @@ missing() {  # $1 package, $2 kind; fails unless the package is optional
   return 1
 }
 
+dpkg_installed() {  # dpkg keeps a file list per installed package: a stat, not a query of the whole database
+  [ -e "/var/lib/dpkg/info/$1.list" ] && return 0
+  for f in /var/lib/dpkg/info/"$1":*.list; do [ -e "$f" ] && return 0; done
+  return 1
+}
+
 pip_check() {  # pip-style arguments; fails naming each missing package
   "$PY" - "$@" <<'PYEOF'
 import importlib.util, sys
@@ -196,8 +202,7 @@ case "$name" in
       if [ $found = 1 ]; then
         case "$a" in -*) continue;; esac
         p=${a%%=*}
-        # dpkg keeps a file list per installed package: a stat instead of a dpkg-query of the whole database
-        if ! ls /var/lib/dpkg/info/"$p".list /var/lib/dpkg/info/"$p":*.list >/dev/null 2>&1 && ! real "$p" >/dev/null; then
+        if ! dpkg_installed "$p" && ! real "$p" >/dev/null; then
           missing "$p" apt || status=1
         fi
       fi
