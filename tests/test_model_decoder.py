@@ -92,14 +92,14 @@ def test_cached_decoding_matches_uncached_forward(params):
     cache = init_cache(CFG, 2, 8, jnp.float32)
     chunks = [(0, 6), (6, 9)] + [(s, s + 1) for s in range(9, 16)]
     for lo, hi in chunks:
-        if hi > cache.k[0].shape[1]:
+        if hi > cache.length:
             cache = grow_cache(cache, 16)
-        kv_valid = np.zeros((2, cache.k[0].shape[1]), bool)
+        kv_valid = np.zeros((2, cache.length), bool)
         kv_valid[:, :hi] = valid[:, :hi]
         logits, cache = step(params, CFG, tokens[:, lo:hi], positions[:, lo:hi], cache=cache, write_index=lo,
                              kv_valid_bs=kv_valid)
         got[:, lo:hi] = np.asarray(logits)
-    assert isinstance(cache, KVCache) and cache.k[0].shape == (2, 16, CFG.num_kv_heads, CFG.head_dim)
+    assert isinstance(cache, KVCache) and cache.k[0].shape == (2, CFG.num_kv_heads, 16, CFG.head_dim)
     np.testing.assert_allclose(got[valid], ref[valid], atol=1e-5)
 
 
