@@ -6,6 +6,7 @@ All of them run in one xdist worker (group "docker") and share one backend and o
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import shutil
@@ -13,6 +14,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import uuid
 
 import pytest
 
@@ -121,6 +125,44 @@ def test_a_task_with_only_a_setup_script_runs_it_as_the_user(backend, tmp_path):
     with backend.start(load_task(task_dir)) as sb:
         r = sb.run("cat whoami.txt; stat -c '%U %a' logs/app.log; pwd")
         assert r.output == "user\nuser 644\n/home/user\n", r.output
+
+
+def test_concurrent_episodes_build_once_and_start_within_the_cap(tmp_path):
+    require_engine()
+    task_dir = tmp_path / "variant"
+    shutil.copytree(FIXTURE, task_dir)
+    with open(task_dir / "environment" / "Dockerfile", "a") as f:
+        f.write(f"\n# {uuid.uuid4().hex}\n")  # a new cache key; every step is cached by the engine
+    task = load_task(task_dir)
+    with db.DockerBackend(max_starts=2, sweep=False) as b:
+        in_flight, peak, lock = [0], [0], threading.Lock()
+        create = b.client.api.create_container  # (client.containers is a new object on every access)
+
+        def counting_create(*args, **kw):
+            with lock:
+                in_flight[0] += 1
+                peak[0] = max(peak[0], in_flight[0])
+            try:
+                time.sleep(0.2)  # hold the slot long enough that six threads would overlap without the cap
+                return create(*args, **kw)
+            finally:
+                with lock:
+                    in_flight[0] -= 1
+
+        b.client.api.create_container = counting_create
+        builds = []
+        image_for = b.image_for
+        b.image_for = lambda t: builds.append(image_for(t)) or builds[-1]
+
+        def episode(_):
+            with b.start(task) as sb:
+                return sb.run("echo ok").output
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(episode, range(6))) == ["ok\n"] * 6
+        assert sorted(built for _, built in builds) == [False] * 5 + [True]  # one build, five waited for it
+        assert peak[0] == 2
+        b.client.images.remove(builds[0][0], force=True)
 
 
 # --- commands -------------------------------------------------------------------------------------------------
