@@ -165,6 +165,15 @@ def test_concurrent_episodes_build_once_and_start_within_the_cap(tmp_path):
         b.client.images.remove(builds[0][0], force=True)
 
 
+def test_a_failing_dockerfile_is_one_user_error(backend, tmp_path):
+    task_dir = tmp_path / "broken"
+    shutil.copytree(FIXTURE, task_dir)
+    (task_dir / "environment" / "Dockerfile").write_text("FROM ubuntu:22.04\nRUN echo building && false\n")
+    with pytest.raises(UserError, match=r"building the image of task broken failed: .*\bbuilding\b") as e:
+        backend.start(load_task(task_dir))
+    assert "\n" not in str(e.value)
+
+
 # --- commands -------------------------------------------------------------------------------------------------
 
 def test_commands_run_as_the_user_in_home_with_clean_output(backend, et_task):

@@ -389,8 +389,9 @@ class DockerBackend(Backend):
                     labels={LABEL: "1", HASH_LABEL: key, "asyncres.task": task.name})
             except docker.errors.BuildError as e:
                 tail = " | ".join(str(x.get("stream", x.get("error", ""))).strip() for x in list(e.build_log)[-4:])
-                raise UserError(f"building the image of task {task.name} failed: {e.msg}; last output: "
-                                f"{tail[-400:]}; fix {task.environment_dir}/Dockerfile (or set base-image "
+                msg = " ".join(str(e.msg).split())
+                raise UserError(f"building the image of task {task.name} failed: {msg}; last output: "
+                                f"{' '.join(tail[-400:].split())}; fix {task.environment_dir}/Dockerfile (or set base-image "
                                 f"aliases in ${ALIASES_ENV} on an offline machine)") from None
             except docker.errors.APIError as e:
                 raise UserError(f"building the image of task {task.name} failed: {e.explanation or e}") from None
