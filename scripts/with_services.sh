@@ -2,8 +2,8 @@
 # Runs a command with the services the tests use started, and stops them afterwards (also on failure).
 #
 # Docker-API engine: when DOCKER_HOST is unset, there is no Docker socket and podman is installed, starts
-# `podman system service` on a private unix socket and exports DOCKER_HOST for the command. Where
-# scripts/setup_system.sh built the offline Debian base image, task Dockerfiles' `FROM ubuntu:22.04` is
+# `podman system service` on a private unix socket and exports DOCKER_HOST for the command; where
+# scripts/setup_system.sh built the offline Debian base image, task Dockerfiles' `FROM ubuntu:22.04` is then
 # aliased to it (ASYNCRES_DOCKER_BASE_ALIASES; set it yourself to override).
 set -euo pipefail
 base_image=localhost/asyncres-base:bookworm
@@ -17,8 +17,6 @@ stop_services() {
   if [ -n "$service_dir" ]; then rm -rf "$service_dir"; fi
 }
 trap stop_services EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
 
 if [ -z "${DOCKER_HOST:-}" ] && [ ! -S /var/run/docker.sock ] && command -v podman >/dev/null; then
   service_dir=$(mktemp -d /tmp/asyncres-podman.XXXXXX)
@@ -31,9 +29,18 @@ if [ -z "${DOCKER_HOST:-}" ] && [ ! -S /var/run/docker.sock ] && command -v podm
   done
   [ -S "$service_dir/podman.sock" ] || { echo "error: podman system service made no socket in 10 s" >&2; exit 1; }
   export DOCKER_HOST="unix://$service_dir/podman.sock"
+  # the base image lives in podman's storage, so the alias is only right for the engine started here
+  if [ -z "${ASYNCRES_DOCKER_BASE_ALIASES:-}" ] && podman image exists "$base_image" 2>/dev/null; then
+    export ASYNCRES_DOCKER_BASE_ALIASES="ubuntu:22.04=$base_image"
+  fi
 fi
-if [ -z "${ASYNCRES_DOCKER_BASE_ALIASES:-}" ] && command -v podman >/dev/null \
-    && podman image exists "$base_image" 2>/dev/null; then
-  export ASYNCRES_DOCKER_BASE_ALIASES="ubuntu:22.04=$base_image"
-fi
-"$@"
+
+# In the background, so that a signal to this script is handled now (a foreground child would delay the
+# trap until it ends): the command gets the signal as TERM, its exit status is ours, the EXIT trap cleans up.
+"$@" <&0 &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null || true' INT TERM
+status=0
+wait "$child" || status=$?
+while kill -0 "$child" 2>/dev/null; do wait "$child" || status=$?; done
+exit "$status"
