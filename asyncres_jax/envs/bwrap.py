@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import queue
 import selectors
 import shlex
 import shutil
@@ -42,9 +43,15 @@ from asyncres_jax.errors import UserError
 HOME = "/home/user"
 INNER_UID = 1000  # the agent's uid and gid inside every sandbox
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt", "var")
-SHIMS = "/run/asyncres/shims"  # offline stand-ins for uvx/apt-get/pip at grading time
-PREP_SHIMS = "/run/asyncres/prep-shims"
-CONTEXT = "/run/asyncres/context"  # the task's environment/ folder during prep
+SYSTEM = "/run/asyncres"  # the backend's system folder, one read-only bind: shims and the limits script
+SHIMS = f"{SYSTEM}/shims"  # offline stand-ins for uvx/apt-get/pip at grading time
+PREP_SHIMS = f"{SYSTEM}/prep-shims"  # ... and for useradd/chown/sudo during environment prep
+LIMITS = f"{SYSTEM}/limits.sh"  # sourced by every command's bash through BASH_ENV
+_LIMITS_SH = """\
+ulimit -t "$ASYNCRES_CPU" -v "$ASYNCRES_MEM" -f "$ASYNCRES_FSIZE" -u "$ASYNCRES_NPROC" 2>/dev/null
+unset BASH_ENV ASYNCRES_CPU ASYNCRES_MEM ASYNCRES_FSIZE ASYNCRES_NPROC
+"""
+CONTEXT = "/run/asyncres-context"  # the task's environment/ folder during prep
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _STEP_FAILED = "@@asyncres-step-failed"
 
@@ -197,11 +204,16 @@ class BwrapBackend(Backend):
         self._template_locks: dict[pathlib.Path, threading.Lock] = {}
         self._live: set[BwrapSandbox] = set()
         self._counter = 0
+        self._trash: queue.SimpleQueue = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
+        (self.root / "trash").mkdir(mode=0o700, exist_ok=True)
         system = self.root / "system"
         system.mkdir(exist_ok=True)
         system.chmod(0o755)
         grading.write_offline_shims(system / "shims")
         grading.write_offline_shims(system / "prep-shims", prep=True)
+        (system / "limits.sh").write_text(_LIMITS_SH)
+        (system / "limits.sh").chmod(0o644)
         self._write_accounts(system)
         self._base_args = self._system_args(system)
 
@@ -232,8 +244,7 @@ class BwrapBackend(Backend):
                  # /root and /run: empty, and read-only once / is remounted (so are /home and /)
                  "--proc", "/proc", "--dev", "/dev", "--perms", "0700", "--dir", "/root", "--dir", "/run",
                  "--perms", "0755", "--dir", "/home",
-                 "--ro-bind", str(system / "shims"), SHIMS,
-                 "--ro-bind", str(system / "prep-shims"), PREP_SHIMS,
+                 "--ro-bind", str(system), SYSTEM,
                  "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--clearenv"]
         return args
 
@@ -265,14 +276,16 @@ class BwrapBackend(Backend):
         return d
 
     def exec_bwrap(self, uid: int | None, binds: list[str], env: dict[str, str], workdir: str, script: str,
-                   timeout: float, limits: str) -> CommandResult:
-        """One bwrap: binds on top of the system layout, then `bash -c script` under `limits` (ulimit args)."""
+                   timeout: float, limits: dict[str, str]) -> CommandResult:
+        """One bwrap: binds on top of the system layout, then `bash -c script` under `limits` (self.limits)."""
         argv = list(self._base_args)
         argv += binds
         for k, v in env.items():
             argv += ["--setenv", k, v]
-        argv += ["--chdir", workdir, "--remount-ro", "/", "--", "/bin/bash", "--noprofile", "--norc", "-c",
-                 f"ulimit {limits} 2>/dev/null; exec /bin/bash --noprofile --norc -c \"$1\"", "asyncres", script]
+        # one bash: BASH_ENV makes it set the limits (and forget them) before it reads the command
+        for k, v in {"BASH_ENV": LIMITS, **limits}.items():
+            argv += ["--setenv", k, v]
+        argv += ["--chdir", workdir, "--remount-ro", "/", "--", "/bin/bash", "--noprofile", "--norc", "-c", script]
         kw = dict(user=uid, group=uid, extra_groups=[], umask=0o022) if uid is not None else {}
         t0 = time.perf_counter()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -282,10 +295,12 @@ class BwrapBackend(Backend):
         return CommandResult(output=clean_output(raw, self.config.output_cap), exit_code=code,
                              timed_out=timed_out, seconds=time.perf_counter() - t0)
 
-    def limits(self, task: Task, timeout: float) -> str:
+    def limits(self, task: Task, timeout: float) -> dict[str, str]:
+        """CPU seconds, address space (KiB), file size (KiB) and processes, as the LIMITS script reads them."""
         fsize_kb = (self.config.file_size_mb or task.storage_mb) * 1024
         mem_kb = int(self.config.memory_factor * task.memory_mb * 1024)
-        return f"-t {int(timeout) + 5} -v {mem_kb} -f {fsize_kb} -u {self.config.nproc}"
+        return {"ASYNCRES_CPU": str(int(timeout) + 5), "ASYNCRES_MEM": str(mem_kb), "ASYNCRES_FSIZE": str(fsize_kb),
+                "ASYNCRES_NPROC": str(self.config.nproc)}
 
     # --- environment prep ----------------------------------------------------------------------------
 
@@ -353,15 +368,30 @@ class BwrapBackend(Backend):
         return sb
 
     def _closed(self, sb: "BwrapSandbox") -> None:
+        # rename (instant) and delete in the background: teardown stays off the episode's critical path
+        trash = self.root / "trash" / sb.folder.name
+        os.rename(sb.folder, trash)
+        self._trash.put(trash)
         with self._lock:
             self._live.discard(sb)
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, name="bwrap-reaper", daemon=True)
+                self._reaper.start()
         self._give_uid(sb.slot)
+
+    def _reap(self) -> None:
+        while (path := self._trash.get()) is not None:
+            _rmtree(path)
 
     def close(self) -> None:
         with self._lock:
             live = list(self._live)
         for sb in live:
             sb.close()
+        if self._reaper is not None:
+            self._trash.put(None)
+            self._reaper.join()
+            self._reaper = None
         if self._own_root:
             _rmtree(self.root)
 
@@ -573,5 +603,4 @@ class BwrapSandbox(Sandbox):
                 return
             self._closed = True
         # runs are synchronous and every process dies with its command's namespace: only files remain
-        _rmtree(self.folder)
         self.backend._closed(self)

@@ -1,0 +1,121 @@
+"""bench sandbox: bwrap sandbox start + one command + teardown latency, and 16 parallel sandboxes' throughput.
+
+Side by side in one run (the machine is shared, so ratios matter more than absolute numbers):
+  bare      one minimal `bwrap --unshare-all ... true` as the same unprivileged uid (the floor)
+  sandbox   BwrapBackend.start(task) + run("echo ok") + close()  (a prepared home copied, limits, clean env)
+  parallel  16 threads doing sandbox cycles at once: sandboxes/s and commands/s
+  grade     one grading run (pytest inside the sandbox), for scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+from asyncres_jax.errors import UserError
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"p50_ms": round(1e3 * _pct(xs, 0.5), 2), "p95_ms": round(1e3 * _pct(xs, 0.95), 2),
+            "mean_ms": round(1e3 * statistics.fmean(xs), 2), "n": len(xs)}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m asyncres_jax.bench sandbox", description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=200, help="sequential cycles per measurement")
+    p.add_argument("--parallel", type=int, default=16, help="sandboxes at once for the throughput run")
+    p.add_argument("--cycles", type=int, default=20, help="cycles per thread in the throughput run")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    from asyncres_jax.envs import bwrap
+    from asyncres_jax.envs.generator import generate
+    from asyncres_jax.envs.task import load_dataset
+
+    problem = bwrap.host_problem()
+    if problem:
+        raise UserError(problem)
+    out: dict = {"machine": {"cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)}}
+    with tempfile.TemporaryDirectory(prefix="asyncres-bench-") as tmp, bwrap.BwrapBackend() as backend:
+        generate(f"{tmp}/ds", 3, seed=0)
+        task = load_dataset(f"{tmp}/ds")[0]
+        t0 = time.perf_counter()
+        backend.template(task)
+        out["prepare_task_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
+
+        uid = backend.host_uid(0)
+        kw = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
+        bare_argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr",
+                     "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
+                     "--", "/usr/bin/true"]
+        bare, total, start, run, close = [], [], [], [], []
+        for _ in range(args.n):  # interleaved, so both see the same machine load
+            t0 = time.perf_counter()
+            subprocess.run(bare_argv, stdin=subprocess.DEVNULL, capture_output=True, check=True, **kw)
+            bare.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            sb = backend.start(task)
+            t1 = time.perf_counter()
+            r = sb.run("echo ok")
+            t2 = time.perf_counter()
+            sb.close()
+            t3 = time.perf_counter()
+            if r.output != "ok\n":
+                raise RuntimeError(f"sandbox command failed: {r}")
+            start.append(t1 - t0), run.append(t2 - t1), close.append(t3 - t2), total.append(t3 - t0)
+        out["bare_bwrap"] = _summary(bare)
+        out["sandbox_start_command_teardown"] = _summary(total)
+        out["breakdown_p50_ms"] = {k: round(1e3 * _pct(v, 0.5), 2) for k, v in
+                                   (("start", start), ("command", run), ("teardown", close))}
+        out["sandbox_over_bare_p50"] = round(_pct(total, 0.5) / _pct(bare, 0.5), 2)
+
+        with backend.start(task) as sb:
+            grades = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                sb.grade()
+                grades.append(time.perf_counter() - t0)
+        out["grade"] = _summary(grades)
+
+        def cycles(_):
+            lat = []
+            for _ in range(args.cycles):
+                t0 = time.perf_counter()
+                with backend.start(task) as s:
+                    s.run("echo ok")
+                lat.append(time.perf_counter() - t0)
+            return lat
+
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+            lats = [x for xs in pool.map(cycles, range(args.parallel)) for x in xs]
+        wall = time.perf_counter() - t0
+
+        def commands(_):
+            with backend.start(task) as s:
+                for _ in range(args.cycles):
+                    s.run("echo ok")
+
+        t1 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(commands, range(args.parallel)))
+        wall_cmd = time.perf_counter() - t1
+        out["parallel"] = {"sandboxes": args.parallel, "cycles": len(lats),
+                           "sandboxes_per_s": round(len(lats) / wall, 1), "latency": _summary(lats),
+                           "commands_per_s_in_live_sandboxes": round(args.parallel * args.cycles / wall_cmd, 1)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps(out, indent=2))
+    return 0
