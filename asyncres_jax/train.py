@@ -1,0 +1,116 @@
+"""The main job: `python -m asyncres_jax.train --config configs/NAME.yaml [--mesh DxM] [key=value ...]`.
+
+    python -m asyncres_jax.train --config configs/smollm2_cpu.yaml            # the CPU default
+    python -m asyncres_jax.train --config configs/qwen2_5_7b_async1.yaml --mesh 4x1
+    python -m asyncres_jax.train --config C.yaml --cpu-devices 8 --mesh 4x2   # simulate 8 devices on a CPU
+    python -m asyncres_jax.train --config C.yaml --resume                      # continue RUN_DIR (also automatic)
+    python -m asyncres_jax.train export --checkpoint RUN_DIR --out HF_DIR     # weights as HF safetensors
+    python -m asyncres_jax.train --help-config                                 # every option, documented
+
+The learner (float32 masters on the whole DxM mesh) and D rollout replicas (1xM sub-meshes) share one
+process: the rollout pool's workers run ES jobs on the replicas and the cohort commits happen on the learner.
+Every `checkpoint.every` updates the pool drains (in-flight jobs finish and are accounted), the whole state
+is checkpointed with Orbax, and the pool resumes. SIGINT/SIGTERM: drain, checkpoint, remove sandboxes, exit 0;
+a second signal exits at once (sandboxes removed, no thread or process left).
+
+RUN_DIR holds: config.yaml (the resolved config), manifest.json (git revision, package versions, mesh and
+devices of every session), metrics.jsonl (one line per update) and checkpoints/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    if argv[:1] == ["export"]:
+        p = argparse.ArgumentParser(prog="python -m asyncres_jax.train export",
+                                    description="Write a checkpoint's parameters as a Hugging Face model folder.")
+        p.add_argument("--checkpoint", required=True,
+                       help="a run directory (latest checkpoint), RUN_DIR/checkpoints, or RUN_DIR/checkpoints/STEP")
+        p.add_argument("--out", required=True, help="output folder (config.json, model.safetensors, tokenizer)")
+        p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                       help="dtype of the written weights")
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+        ns = p.parse_args(argv[1:])
+        ns.command = "export"
+        return ns
+    p = argparse.ArgumentParser(prog="python -m asyncres_jax.train", usage=None,
+                                description="Train an LLM agent with bounded-staleness asynchronous ES.",
+                                epilog="overrides: dotted key=value pairs, e.g. es.population=8 pool.max_staleness=2; "
+                                       "see --help-config. Subcommand: export --checkpoint DIR --out HF_DIR.")
+    p.add_argument("--config", help="YAML run config (configs/*.yaml); schema defaults when omitted")
+    p.add_argument("--mesh", help="DxM device mesh: D rollout replicas x M-way model parallel (overrides mesh=)")
+    p.add_argument("--cpu-devices", type=int, metavar="N",
+                   help="simulate N CPU devices (sets XLA_FLAGS before JAX starts)")
+    p.add_argument("--resume", action="store_true", help="continue the run in run_dir (an error if there is none)")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing run in run_dir and start afresh")
+    p.add_argument("--help-config", action="store_true", help="list every config option with its default and doc")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    ns = p.parse_args(argv)
+    ns.command = "train"
+    return ns
+
+
+def _setup_devices(cpu_devices: int | None) -> None:
+    """XLA reads its flags when the backend starts, so this runs before anything touches a device."""
+    from asyncres_jax.errors import UserError
+
+    if cpu_devices is None:
+        return
+    if cpu_devices < 1:
+        raise UserError(f"--cpu-devices {cpu_devices}: give a positive number of simulated devices")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={cpu_devices}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from asyncres_jax.errors import cli_main
+
+    return cli_main(_main)(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
+    ns = _parse(argv)
+    if ns.command == "train" and ns.help_config:
+        from asyncres_jax.config import describe
+
+        print("\n".join(describe()))
+        return 0
+    if ns.command == "train":
+        _setup_devices(ns.cpu_devices)
+    import jax  # noqa: F401 - after the device flags
+
+    _compilation_cache()
+    from asyncres_jax import trainer
+
+    if ns.command == "export":
+        trainer.export(ns.checkpoint, ns.out, dtype=ns.dtype, overwrite=ns.overwrite)
+        return 0
+    from asyncres_jax.config import load_config
+
+    overrides = list(ns.overrides) + ([f"mesh={ns.mesh}"] if ns.mesh else [])
+    cfg = load_config(ns.config, overrides)
+    return trainer.train(cfg, resume=ns.resume, overwrite=ns.overwrite, handle_signals=True, argv=argv)
+
+
+def _compilation_cache() -> None:
+    """A persistent XLA cache (compiles dominate a short CPU run); JAX_COMPILATION_CACHE_DIR overrides it."""
+    import pathlib
+
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "asyncres_jax" / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
