@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 
 from asyncres_jax.envs import grading
 from asyncres_jax.envs.dockerfile import Step, expand, parse_dockerfile, parse_env
@@ -197,6 +198,7 @@ class BwrapBackend(Backend):
         else:
             self.root = pathlib.Path(tempfile.mkdtemp(prefix="asyncres-bwrap-"))
             self._own_root = True
+            weakref.finalize(self, _rmtree, self.root)  # a backend never closed still leaves nothing behind
         self.root.chmod(0o711)  # sandbox uids must traverse it to reach their own folders; nothing more
         self._lock = threading.Lock()
         self._free = list(range(self.config.uid_slots - 1, -1, -1))
