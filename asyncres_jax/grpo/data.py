@@ -80,6 +80,38 @@ def whole_conversation(ids, generated, logprobs) -> Segment:
 
 
 @dataclasses.dataclass(frozen=True)
+class Batch:
+    """A GRPO batch: segments, the episode each belongs to, and each episode's advantage."""
+
+    segments: list[Segment]
+    episode: np.ndarray  # [S] episode index of each segment, 0..E-1
+    advantage: np.ndarray  # [E] float32
+
+    @property
+    def n_episodes(self) -> int:
+        return len(self.advantage)
+
+
+def build_batch(episode_segments: Sequence[Sequence[Segment]], rewards_pg) -> Batch:
+    """Episodes in group order (group p's G episodes are p*G .. p*G+G-1) -> a Batch with group advantages.
+
+    Episodes without a trained token (none generated) are left out; their group still counts their reward.
+    """
+    from asyncres_jax.grpo.loss import group_advantages
+
+    adv = group_advantages(rewards_pg).reshape(-1)
+    if len(adv) != len(episode_segments):
+        raise ValueError(f"{len(episode_segments)} episodes for {len(adv)} rewards")
+    segments, episode = [], []
+    for e, segs in enumerate(episode_segments):
+        for s in segs:
+            if s.loss_mask[1:].any():
+                segments.append(s)
+                episode.append(e)
+    return Batch(segments, np.asarray(episode, np.int64), adv)
+
+
+@dataclasses.dataclass(frozen=True)
 class Rows:
     """A padded block of segments, right-padded (causal attention never sees the pads).
 

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from asyncres_jax.grpo.data import Segment, pack
+from asyncres_jax.grpo.data import Batch, Segment, pack
 from asyncres_jax.grpo.loss import grpo_loss, sequence_weights, token_logprobs, tokens_per_episode
 from asyncres_jax.mesh import param_shardings
 from asyncres_jax.model import decoder
@@ -46,19 +46,6 @@ class GRPOHyper:
         return self.temperature if self.temperature > 0 else 1.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """A GRPO batch: segments, the episode each belongs to, and each episode's advantage."""
-
-    segments: list[Segment]
-    episode: np.ndarray  # [S] episode index of each segment, 0..E-1
-    advantage: np.ndarray  # [E] float32
-
-    @property
-    def n_episodes(self) -> int:
-        return len(self.advantage)
-
-
 def make_optimizer(hp: GRPOHyper) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(hp.grad_clip),
                        optax.adamw(hp.lr, weight_decay=hp.weight_decay))
@@ -79,9 +66,9 @@ class Learner:
         self.data = 1 if mesh is None else mesh.shape["data"]
         self.shardings = None if mesh is None else param_shardings(params, cfg, mesh)
         place = (lambda t: t) if mesh is None else (lambda t: jax.device_put(t, self.shardings))
-        self.params = place(params)
-        # The reference never changes; a copy, so donating the masters in an update cannot touch it.
-        self.ref_params = place(jax.tree.map(jnp.copy, params if ref_params is None else ref_params))
+        # Own copies: updates donate the masters, which must not delete the caller's arrays (or the reference).
+        self.params = jax.tree.map(jnp.copy, place(params))
+        self.ref_params = jax.tree.map(jnp.copy, place(params if ref_params is None else ref_params))
         self.tx = make_optimizer(hp)
         self.opt_state = jax.jit(self.tx.init)(self.params)
         self.steps = 0  # optimiser steps taken
@@ -102,7 +89,7 @@ class Learner:
 
         def apply_fn(p, opt_state, grads):
             updates, opt_state = self.tx.update(grads, opt_state, p)
-            return optax.apply_updates(p, updates), opt_state, optax.global_norm(grads)
+            return optax.apply_updates(p, updates), opt_state, optax.tree.norm(grads)
 
         self._logprobs = jax.jit(logprobs_fn)
         self._grad = jax.jit(grad_fn)
