@@ -19,7 +19,6 @@ engine).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import hashlib
 import io
@@ -316,8 +315,8 @@ class DockerBackend(Backend):
         self._shims = tempfile.TemporaryDirectory(prefix="asyncres-shims-")
         self.shims_dir = write_offline_shims(self._shims.name)
         self.swept = self.sweep() if self.cfg.sweep else []
+        # also runs at interpreter exit (weakref.finalize's atexit): a backend never closed still cleans up
         self._finalizer = weakref.finalize(self, DockerBackend._close_all, self.client, self._live, self._shims)
-        atexit.register(self._finalizer)
 
     # --- images ---------------------------------------------------------------------------------------------
 
@@ -459,4 +458,3 @@ class DockerBackend(Backend):
     def close(self) -> None:
         """Remove every container this backend still holds; idempotent."""
         self._finalizer()
-        atexit.unregister(self._finalizer)
