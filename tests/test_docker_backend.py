@@ -270,9 +270,11 @@ def test_a_crashed_runs_containers_are_removed_at_the_next_start_up(backend, et_
 
 # --- without an engine ------------------------------------------------------------------------------------------
 
-def test_no_engine_is_one_user_error(tmp_path):
+def test_no_engine_or_an_unknown_option_is_one_user_error(tmp_path):
     with pytest.raises(UserError, match="no Docker-API engine answers"):
         db.DockerBackend(base_url=f"unix://{tmp_path}/none.sock")
+    with pytest.raises(UserError, match="unknown docker backend option.*max_startz"):
+        db.DockerBackend(max_startz=3)
 
 
 def test_aliases_parse_and_bad_ones_are_user_errors(monkeypatch):

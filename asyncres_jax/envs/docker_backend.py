@@ -303,6 +303,10 @@ class DockerBackend(Backend):
     name = "docker"
 
     def __init__(self, cfg: DockerConfig | None = None, **overrides):
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(DockerConfig)}
+        if unknown:
+            raise UserError(f"unknown docker backend option(s) {', '.join(sorted(unknown))}; the options are: "
+                            f"{', '.join(f.name for f in dataclasses.fields(DockerConfig))}")
         self.cfg = dataclasses.replace(cfg or DockerConfig(), **overrides)
         self.client = connect(self.cfg)
         self._build_sem = threading.BoundedSemaphore(self.cfg.max_builds)
