@@ -112,7 +112,7 @@ def test_generated_tasks_score_1_with_the_oracle_and_0_with_nothing(backend, tmp
     generate(root, 5, seed=0)
     tasks = load_dataset(root)
     records = list(check_tasks(backend, tasks, workers=2, oracle=True, noop_first=True, initial=True))
-    assert len(records) == 5 and len({t.family for t in tasks}) >= 4
+    assert len(records) == 5
     for rec in records:  # one sandbox per task: initial-state tests, grade untouched (0), oracle, grade (1)
         assert (rec["initial"], rec["noop_reward"], rec["reward"], rec["partial"]) == (1, 0, 1, 1.0), rec
 
