@@ -188,8 +188,7 @@ def test_rm_rf_root(backend, task, host):
     mark = marker()
     result, started = play(backend, task, [f"rm -rf --no-preserve-root / 2>/dev/null; : {mark}; echo done-rm",
                                           "echo alive"])
-    if backend.name == "bwrap":  # docker: the agent can delete the file its command's output is kept in
-        assert "done-rm" in observations(result)[0] or "timed out" in observations(result)[0]
+    assert "done-rm" in observations(result)[0] or "timed out" in observations(result)[0]
     assert observations(result)[1] == ALIVE
     assert result.end == "done" and result.graded and result.reward == 0.0  # the log file it needed is gone
     assert_nothing_survives(mark, backend, started)
