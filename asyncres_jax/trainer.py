@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 from omegaconf import OmegaConf
 
 from asyncres_jax import es, metrics
@@ -231,6 +232,16 @@ def check_supported(cfg: TrainConfig) -> None:
         raise UserError("es.batched_population=true is not wired into the training program yet; set it to false")
 
 
+def on_mesh(tree, mesh):
+    """Leaves not yet placed on the mesh (optimiser counters, made on the default device) replicated over it,
+    so a restored checkpoint puts every leaf on the same devices as the parameters."""
+    replicated = NamedSharding(mesh, P())
+
+    def place(x):
+        return x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated)
+    return jax.tree.map(place, tree)
+
+
 def to_submesh(x: jax.Array, sharding) -> jax.Array:
     """x (on the whole mesh) as an array with `sharding` (on a sub-mesh of it).
 
@@ -266,7 +277,7 @@ class ESTrainer:
 
         # Learner: float32 masters on the whole mesh; the store applies the ES step and keeps the update log.
         params = self.model.params
-        self.store = ParamStore(params, es.init(params, self.es_cfg), apply_update=self._apply_update,
+        self.store = ParamStore(params, on_mesh(es.init(params, self.es_cfg), self.mesh), apply_update=self._apply_update,
                                 shape=lambda f: es.shape_fitness(f, self.es_cfg), replay=self._replay_fn())
         pseeds = (lambda g, v, i: es.member_seed(g, v, i // 2)) if cfg.es.antithetic else es.member_seed
         replicas = self._replicas()
@@ -484,6 +495,11 @@ class _Signals:
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, handle_signals: bool = False,
           argv: list[str] | None = None, devices=None) -> int:
+    if cfg.algo == "grpo":
+        from asyncres_jax.grpo.trainer import train as train_grpo
+
+        return train_grpo(cfg, resume=resume, overwrite=overwrite, handle_signals=handle_signals, argv=argv,
+                          devices=devices)
     trainer = ESTrainer(cfg, resume=resume, overwrite=overwrite, argv=argv, devices=devices)
     try:
         if handle_signals:
@@ -523,7 +539,13 @@ def export(checkpoint: str, out: str, *, dtype: str = "float32", overwrite: bool
     mesh = make_mesh("1x1", jax.devices()[:1])
     model = load_policy_model(cfg.model.name, cfg.model.dtype, mesh)
     es_cfg = es_config(cfg)
-    template = {**flatten(model.params, "params"), **flatten(es.init(model.params, es_cfg), "opt")}
+    if cfg.algo == "grpo":
+        from asyncres_jax.grpo.trainer import opt_template
+
+        opt_state = opt_template(model.params, cfg)
+    else:
+        opt_state = es.init(model.params, es_cfg)
+    template = {**flatten(model.params, "params"), **flatten(opt_state, "opt")}
     ckpt = Checkpointer(run / CHECKPOINTS, cfg.checkpoint.keep, report=log)
     try:
         if step is not None and step not in ckpt.steps():
