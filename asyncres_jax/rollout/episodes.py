@@ -308,10 +308,11 @@ def run_episodes(
         if errors:
             raise errors[0]
 
-        batch = policy.begin([ep.transcript for ep in eps], seed)
         t0 = clock()
+        batch = policy.begin([ep.transcript for ep in eps], seed)  # a model prefills the prompts here
+        begin_s = clock() - t0
         for ep in eps:
-            ep.t0 = t0
+            ep.t0, ep.generate_s = t0, begin_s
         live = list(range(len(eps)))
         while live:
             t = clock()
