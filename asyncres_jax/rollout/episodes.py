@@ -210,6 +210,9 @@ class ModelPolicy(Policy):
 
 
 class _ModelBatch(PolicyBatch):
+    """`conv` (the engine's conversation) and `rows` (the episode of each of its rows) are read by wrappers
+    such as grpo.rollout.RecordingPolicy, which snapshot the token state after every reply."""
+
     def __init__(self, policy: ModelPolicy, conv: Any, rows: list[int], prefix: str = ""):
         self.policy, self.conv, self.rows = policy, conv, rows  # rows[k]: the episode in the batch's row k
         self.pert, self.states, self.prefix = policy.perturbation(rows), {}, prefix
