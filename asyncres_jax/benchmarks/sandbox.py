@@ -1,6 +1,6 @@
 """bench sandbox: bwrap sandbox start + one command + teardown latency, and 16 parallel sandboxes' throughput.
 
-Side by side in one run (the machine is shared, so ratios matter more than absolute numbers):
+Side by side in one run (the machine is shared, so ratios and CPU time matter more than wall times):
   bare      one minimal `bwrap --unshare-all ... true` as the same unprivileged uid (the floor)
   sandbox   BwrapBackend.start(task) + run("echo ok") + close()  (a prepared home copied, limits, clean env)
   parallel  16 threads doing sandbox cycles at once: sandboxes/s and commands/s
@@ -29,6 +29,37 @@ def _pct(xs: list[float], q: float) -> float:
 def _summary(xs: list[float]) -> dict:
     return {"p50_ms": round(1e3 * _pct(xs, 0.5), 2), "p95_ms": round(1e3 * _pct(xs, 0.95), 2),
             "mean_ms": round(1e3 * statistics.fmean(xs), 2), "n": len(xs)}
+
+
+class CpuMeter:
+    """CPU seconds used by this process and all its descendants (sandboxes included), through a cgroup-v1
+    cpuacct group when the host allows one (root); wall-clock numbers on a shared machine say little alone."""
+
+    def __init__(self):
+        self.dir = None
+        root = "/sys/fs/cgroup/cpuacct"
+        if os.geteuid() == 0 and os.path.isfile(f"{root}/cpuacct.usage"):
+            d = f"{root}/asyncres-bench-{os.getpid()}"
+            try:
+                os.mkdir(d)
+                with open(f"{d}/cgroup.procs", "w") as f:
+                    f.write(str(os.getpid()))
+                self.dir, self.root = d, root
+            except OSError:
+                pass
+
+    def __call__(self) -> float | None:
+        if self.dir is None:
+            return None
+        with open(f"{self.dir}/cpuacct.usage") as f:
+            return int(f.read()) / 1e9
+
+    def close(self) -> None:
+        if self.dir is not None:
+            with open(f"{self.root}/cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+            os.rmdir(self.dir)
+            self.dir = None
 
 
 def main(argv: list[str]) -> int:
@@ -60,22 +91,33 @@ def main(argv: list[str]) -> int:
                      "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
                      "--", "/usr/bin/true"]
         bare, total, start, run, close = [], [], [], [], []
-        for _ in range(args.n):  # interleaved, so both see the same machine load
-            t0 = time.perf_counter()
-            subprocess.run(bare_argv, stdin=subprocess.DEVNULL, capture_output=True, check=True, **kw)
-            bare.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            sb = backend.start(task)
-            t1 = time.perf_counter()
-            r = sb.run("echo ok")
-            t2 = time.perf_counter()
-            sb.close()
-            t3 = time.perf_counter()
-            if r.output != "ok\n":
-                raise RuntimeError(f"sandbox command failed: {r}")
-            start.append(t1 - t0), run.append(t2 - t1), close.append(t3 - t2), total.append(t3 - t0)
+        cpu = CpuMeter()
+        cpu_bare = cpu_sandbox = 0.0
+        try:
+            for _ in range(args.n):  # interleaved, so both see the same machine load
+                c0, t0 = cpu(), time.perf_counter()
+                subprocess.run(bare_argv, stdin=subprocess.DEVNULL, capture_output=True, check=True, **kw)
+                bare.append(time.perf_counter() - t0)
+                c1, t0 = cpu(), time.perf_counter()
+                sb = backend.start(task)
+                t1 = time.perf_counter()
+                r = sb.run("echo ok")
+                t2 = time.perf_counter()
+                sb.close()
+                t3, c2 = time.perf_counter(), cpu()
+                if r.output != "ok\n":
+                    raise RuntimeError(f"sandbox command failed: {r}")
+                start.append(t1 - t0), run.append(t2 - t1), close.append(t3 - t2), total.append(t3 - t0)
+                if c0 is not None:
+                    cpu_bare += c1 - c0
+                    cpu_sandbox += c2 - c1
+        finally:
+            cpu.close()
         out["bare_bwrap"] = _summary(bare)
         out["sandbox_start_command_teardown"] = _summary(total)
+        if c0 is not None:  # CPU per cycle barely depends on how busy the machine is
+            out["cpu_ms_per_cycle"] = {"bare_bwrap": round(1e3 * cpu_bare / args.n, 2),
+                                       "sandbox": round(1e3 * cpu_sandbox / args.n, 2)}
         out["breakdown_p50_ms"] = {k: round(1e3 * _pct(v, 0.5), 2) for k, v in
                                    (("start", start), ("command", run), ("teardown", close))}
         out["sandbox_over_bare_p50"] = round(_pct(total, 0.5) / _pct(bare, 0.5), 2)
