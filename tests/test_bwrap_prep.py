@@ -116,6 +116,16 @@ def test_et_style_dockerfile_is_replayed_as_the_sandbox_user(backend, tmp_path):
 
 
 @pytest.mark.bwrap
+def test_the_copied_home_keeps_links_fifos_modes_and_times(backend, tmp_path):
+    t = make_task(tmp_path, "kinds", "FROM ubuntu:22.04\nRUN cd /home/user && echo a > f && ln f hard && "
+                  "ln -s f soft && mkfifo pipe && chmod 600 f && mkdir d && touch -d @1500000000 d f\n")
+    with backend.start(t) as sb:
+        r = sb.run("stat -c '%n %h %a %Y %F' f hard d; stat -c '%n %F' pipe; readlink soft")
+    assert r.output.split("\n") == ["f 2 600 1500000000 regular file", "hard 2 600 1500000000 regular file",
+                                     "d 2 755 1500000000 directory", "pipe fifo", "f", ""]
+
+
+@pytest.mark.bwrap
 def test_the_prepared_home_is_built_once_per_task(backend, tmp_path):
     t = make_task(tmp_path, "once", "FROM ubuntu:22.04\nRUN head -c 8 /dev/urandom | od -An -tx1 > /home/user/r\n")
     with backend.start(t) as a, backend.start(t) as b:

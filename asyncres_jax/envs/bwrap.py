@@ -29,6 +29,7 @@ import selectors
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -100,6 +101,7 @@ def _clone_tree(src: pathlib.Path, dst: pathlib.Path, uid: int | None) -> None:
     """Copy a prepared home (modes, mtimes, symlinks) and give every entry to `uid`."""
     os.mkdir(dst)
     dirs = [(src, dst)]
+    linked: dict[tuple[int, int], pathlib.Path] = {}
     for root, dirnames, filenames in os.walk(src):
         rel = os.path.relpath(root, src)
         out = dst if rel == "." else dst / rel
@@ -115,10 +117,20 @@ def _clone_tree(src: pathlib.Path, dst: pathlib.Path, uid: int | None) -> None:
             dirs.append((pathlib.Path(s), t))
         for f in filenames:
             s, t = os.path.join(root, f), out / f
-            if os.path.islink(s):
+            st = os.lstat(s)
+            if stat.S_ISLNK(st.st_mode):
                 os.symlink(os.readlink(s), t)
-            else:
+            elif st.st_nlink > 1 and (st.st_dev, st.st_ino) in linked:  # keep hard links linked
+                os.link(linked[st.st_dev, st.st_ino], t)
+                continue
+            elif stat.S_ISFIFO(st.st_mode):
+                os.mkfifo(t, stat.S_IMODE(st.st_mode))
+            elif stat.S_ISREG(st.st_mode):
                 shutil.copy2(s, t)
+                if st.st_nlink > 1:
+                    linked[st.st_dev, st.st_ino] = t
+            else:
+                continue  # sockets and devices do not survive a copy
             if uid is not None:
                 os.lchown(t, uid, uid)
     for s, t in reversed(dirs):  # children first: creating entries bumps a folder's mtime
