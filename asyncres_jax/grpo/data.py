@@ -51,21 +51,33 @@ def _last_reply_start(s: Snapshot) -> int:
     return int(not_gen[-1]) + 1 if not_gen.size else 0
 
 
+class SegmentBuilder:
+    """Builds an episode's segments turn by turn, keeping only the last snapshot of each run."""
+
+    def __init__(self):
+        self.done: list[Segment] = []
+        self.cur: Snapshot | None = None
+        self.start = 0
+
+    def add(self, snap: Snapshot) -> None:
+        if self.cur is not None and _extends(snap, self.cur):
+            self.cur = snap
+            return
+        if self.cur is not None:
+            self.done.append(_segment(self.cur, self.start))
+        # A new run: its earlier generated tokens were written in another context and are trained elsewhere.
+        self.cur, self.start = snap, _last_reply_start(snap)
+
+    def segments(self) -> list[Segment]:
+        return self.done + ([] if self.cur is None else [_segment(self.cur, self.start)])
+
+
 def segments_from_snapshots(snapshots: Sequence[Snapshot]) -> list[Segment]:
     """Split an episode's per-turn snapshots into segments of turns that extend each other (see module doc)."""
-    out: list[Segment] = []
-    cur, start = None, 0
+    builder = SegmentBuilder()
     for snap in snapshots:
-        if cur is not None and _extends(snap, cur):
-            cur = snap
-            continue
-        if cur is not None:
-            out.append(_segment(cur, start))
-        # A new run: its earlier generated tokens were written in another context and are trained elsewhere.
-        cur, start = snap, _last_reply_start(snap)
-    if cur is not None:
-        out.append(_segment(cur, start))
-    return out
+        builder.add(snap)
+    return builder.segments()
 
 
 def _segment(s: Snapshot, start: int) -> Segment:
