@@ -89,3 +89,37 @@ def test_first_reply_prefix_is_prompt_not_generation(model):
         ids, mask = r.tokens.ids, r.tokens.generated_mask
         first = int(np.argmax(mask))  # where the first reply's generated tokens begin
         assert list(ids[first - len(prefix):first]) == prefix and not mask[:first].any()
+
+
+class Floods(Policy):
+    """The model writes every reply, but the runner is told each one was `<command>flood</command>`, so every
+    observation is long and the engine's rolling context has to drop old turns."""
+
+    def __init__(self, inner: ModelPolicy):
+        self.inner = inner
+
+    def begin(self, conversations, seed):
+        batch = self.inner.begin(conversations, seed)
+
+        class Batch(PolicyBatch):
+            def step(self, rows, new_messages):
+                return ["<command>flood</command>" for _ in batch.step(rows, new_messages)]
+
+            def token_states(self):
+                return batch.token_states()
+
+        return Batch()
+
+
+def test_long_episodes_stay_within_the_engines_rolling_context(model):
+    engine = Engine(model, context_limit=1536)  # the prompt alone is about 900 tokens, an observation 350
+    policy = ModelPolicy(engine, model.params, max_new_tokens=6, sampling={"temperature": 1.0}, stop=())
+    cfg = EpisodeConfig(max_turns=4, max_new_tokens=6, output_cap=300)
+    results = run_episodes(Floods(policy), tasks(3), FakeBackend(), cfg, seed=2)
+    for r in results:
+        assert (r.turns, r.end, len(r.commands)) == (4, "max_turns", 4)
+        assert len(r.transcript) == 2 + 2 * 4  # the runner's transcript keeps every turn
+        # all four turns would need over 2,000 tokens: the model's conversation dropped old turns, kept its prompt
+        prompt = engine.encode(model.chat_prompt(r.transcript[:2]))
+        assert len(r.tokens.ids) < 1536 and r.tokens.ids[:len(prompt)].tolist() == prompt
+        assert r.tokens.generated_mask.sum() > 0
