@@ -1,0 +1,209 @@
+"""A cohort's episodes as one batch: several members of one version play their task batch together, members x
+tasks rows, through one generation over one copy of the weights (low-rank ES: es/population.py).
+
+- `run_cohort(engine, params, jobs, tasks, ...)`: the jobs' members x tasks episodes in one `run_episodes`
+  call with a `PopulationPolicy`; returns one JobResult per job (fitness = that member's mean reward).
+- `JobBatcher(batch_fn)`: the glue to the pool. The pool gives each worker thread one job at a time and stays
+  as it is; a JobBatcher is a plain `job_fn(job, params)` that gathers the jobs its worker threads hold for
+  the same weights (same dispatch version on the same replica) and runs them as ONE `batch_fn(jobs, params)`
+  call. With W worker threads per replica a batch holds up to W members (the pool needs N > W, so a cohort
+  of N takes ceil(N / W) batches); each job is still its own attempt for the coordinator (staleness, drops,
+  deadlines, re-issues and utilisation are accounted per member, unchanged).
+- `cohort_job_fn(...)`: JobBatcher(run_cohort on the version's task batch), a drop-in job_fn for RolloutPool
+  (configure workers_per_replica = the members wanted per batch).
+
+Common random numbers: every member of a cohort must see the same tasks and the same sampling randomness as
+when its job runs alone. The tasks are the version's; the engine keys a row's sampling by (seed, row id), so
+PopulationPolicy gives row (member i, task j) the row id j, as in member i's own batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from asyncres_jax.errors import UserError
+from asyncres_jax.es.config import ESConfig
+from asyncres_jax.es.population import LowRankPopulation
+from asyncres_jax.jobs import member_sign, task_batch
+from asyncres_jax.rollout.coordinator import Job, JobResult
+from asyncres_jax.rollout.episodes import EpisodeConfig, EpisodeResult, ModelPolicy, run_episodes
+
+Params = Any
+
+
+class PopulationPolicy(ModelPolicy):
+    """A ModelPolicy over member-major rows (row = member * tasks_per_member + task) of a low-rank population.
+
+    `population` holds one row per episode; as episodes end, the engine gets the population of the rows left.
+    """
+
+    def __init__(self, engine, params, *, population: LowRankPopulation, tasks_per_member: int, **kw):
+        if population.num_rows % tasks_per_member:
+            raise ValueError(f"{population.num_rows} population rows are not whole members of {tasks_per_member}")
+        super().__init__(engine, params, perturbation_fn=population.take_rows, **kw)
+        self.population, self.tasks_per_member = population, tasks_per_member
+
+    def begin(self, conversations, seed):
+        if len(conversations) != self.population.num_rows:
+            raise ValueError(f"{len(conversations)} episodes for a population of {self.population.num_rows} rows")
+        batch = super().begin(conversations, seed)
+        for row in batch.conv.rows:  # sampling key of (member i, task j) = that of row j in member i's own batch
+            row.row_id %= self.tasks_per_member
+        return batch
+
+
+def _member_result(results: Sequence[EpisodeResult], fitness: str, seconds: float, batch_members: int) -> JobResult:
+    scores = [r.partial if fitness == "partial" else r.reward for r in results]
+    return JobResult(float(np.mean(scores)), {
+        "episodes": len(results),
+        "tokens": sum(int(np.sum(r.tokens.generated_mask)) for r in results if r.tokens is not None),
+        "successes": int(sum(r.reward for r in results)),
+        "partial_sum": float(sum(r.partial for r in results)),
+        "turns": int(sum(r.turns for r in results)),
+        "timeouts": int(sum(r.timed_out for r in results)),
+        "seconds": seconds,  # the whole batch's wall time: its members share it
+        "batch_members": batch_members,
+    })
+
+
+def run_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig,
+               es_cfg: ESConfig, *, fitness: str = "binary", contraction: str = "select",
+               policy_kw: dict | None = None) -> list[JobResult]:
+    """Play `tasks` once per job's member, all members x tasks episodes in one batch; one JobResult per job.
+
+    The jobs must be of one version (same task batch and sampling seed). policy_kw: extra ModelPolicy options.
+    """
+    if not jobs:
+        return []
+    if es_cfg.noise != "lowrank":
+        raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
+    if fitness not in ("binary", "partial"):
+        raise UserError(f"fitness={fitness!r} is not one of binary, partial")
+    if len({(j.dispatch_version, j.task_batch_id, j.sampling_seed) for j in jobs}) != 1:
+        raise ValueError("run_cohort: the jobs are not of one version (task batch and sampling seed differ)")
+    t = time.monotonic()
+    n_tasks = len(tasks)
+    population = LowRankPopulation.create(params, es_cfg, [j.member_seed for j in jobs],
+                                          [member_sign(j, es_cfg) for j in jobs], rows_per_member=n_tasks,
+                                          contraction=contraction)
+    policy = PopulationPolicy.from_config(engine, params, episode_cfg, population=population,
+                                          tasks_per_member=n_tasks, **(policy_kw or {}))
+    results = run_episodes(policy, list(tasks) * len(jobs), backend, episode_cfg, seed=jobs[0].sampling_seed)
+    seconds = time.monotonic() - t
+    return [_member_result(results[i * n_tasks:(i + 1) * n_tasks], fitness, seconds, len(jobs))
+            for i in range(len(jobs))]
+
+
+class _Group:
+    def __init__(self, params: Params):
+        self.params, self.jobs, self.closed, self.done = params, [], False, threading.Event()
+        self.results: list[JobResult] | None = None
+        self.error: BaseException | None = None
+
+
+class JobBatcher:
+    """A job_fn that runs the jobs held at the same time by worker threads, for the same weights, as one batch.
+
+    The first job of a group leads: it waits until `max_batch` jobs joined or none joined for `linger_s`
+    seconds, then calls batch_fn(jobs, params) -> list[JobResult] (one per job, in order) while the others
+    wait for their result. If batch_fn raises, every job of the group raises it (and is re-issued by the pool).
+    Groups are keyed by (dispatch version, the params object): a replica's workers share one params object
+    per version, so jobs never mix weights or devices.
+    """
+
+    def __init__(self, batch_fn: Callable[[list[Job], Params], list[JobResult]], max_batch: int,
+                 linger_s: float = 0.05):
+        if max_batch < 1:
+            raise UserError(f"max_batch={max_batch} must be at least 1")
+        self.batch_fn, self.max_batch, self.linger_s = batch_fn, max_batch, linger_s
+        self._cond = threading.Condition()
+        self._open: dict[tuple[int, int], _Group] = {}
+        self.batch_sizes: list[int] = []  # of every batch run, in order (for tests and stats)
+
+    def __call__(self, job: Job, params: Params) -> JobResult:
+        key = (job.dispatch_version, id(params))
+        with self._cond:
+            group = self._open.get(key)
+            lead = group is None
+            if lead:
+                group = self._open[key] = _Group(params)
+            group.jobs.append(job)
+            index = len(group.jobs) - 1
+            if len(group.jobs) >= self.max_batch:
+                self._close(key, group)
+            self._cond.notify_all()
+            if lead:  # wait for company: until the group is full or nobody joined for linger_s
+                seen, quiet_since = len(group.jobs), time.monotonic()
+                while not group.closed:
+                    left = quiet_since + self.linger_s - time.monotonic()
+                    if left <= 0:
+                        self._close(key, group)
+                        break
+                    self._cond.wait(left)
+                    if len(group.jobs) != seen:
+                        seen, quiet_since = len(group.jobs), time.monotonic()
+        if lead:
+            try:
+                results = list(self.batch_fn(list(group.jobs), group.params))
+                if len(results) != len(group.jobs):
+                    raise RuntimeError(f"batch_fn returned {len(results)} results for {len(group.jobs)} jobs")
+                group.results = results
+            except BaseException as e:  # every job of the batch fails with it; the pool re-issues them
+                group.error = e
+            finally:
+                self.batch_sizes.append(len(group.jobs))
+                group.done.set()
+        else:
+            group.done.wait()
+        if group.error is not None:
+            raise group.error
+        return group.results[index]
+
+    def _close(self, key, group: _Group) -> None:
+        group.closed = True
+        if self._open.get(key) is group:
+            del self._open[key]
+
+
+def cohort_job_fn(model, tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig, es_cfg: ESConfig, *,
+                  global_seed: int, tasks_per_member: int, max_batch: int, fitness: str = "binary",
+                  engine_for: Callable[[Params], Any] | None = None, linger_s: float = 0.05) -> JobBatcher:
+    """A pool job_fn that plays up to `max_batch` members of a version as one batch (see the module doc).
+
+    engine_for(params) -> the generation engine for that replica's params (default: one engine per mesh).
+    """
+    if es_cfg.noise != "lowrank":
+        raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
+    engine_for = engine_for or _engines_per_mesh(model, episode_cfg.context_limit)
+
+    def batch_fn(jobs: list[Job], params: Params) -> list[JobResult]:
+        batch = task_batch(tasks, global_seed, jobs[0].dispatch_version, tasks_per_member)
+        return run_cohort(engine_for(params), params, jobs, batch, backend, episode_cfg, es_cfg, fitness=fitness)
+
+    return JobBatcher(batch_fn, max_batch, linger_s)
+
+
+def _engines_per_mesh(model, context_limit: int) -> Callable[[Params], Any]:
+    """One generation engine per replica mesh (found from where the params live)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from asyncres_jax.model import Model
+    from asyncres_jax.model.generate import Engine
+
+    engines, lock = {}, threading.Lock()
+
+    def engine_for(params):
+        sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+        mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        with lock:
+            if mesh not in engines:
+                engines[mesh] = Engine(Model(model.config, None, model.tokenizer, mesh, model.source),
+                                       context_limit=context_limit)
+            return engines[mesh]
+
+    return engine_for
