@@ -84,6 +84,11 @@ def assert_host_unchanged(host, *must_not_exist: str):
         assert not os.path.lexists(path), f"{path} appeared on the host"
 
 
+def _rss_mb() -> float:
+    status = pathlib.Path("/proc/self/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1]) / 1024
+
+
 def host_processes_with(marker: str) -> list[str]:
     found = []
     for proc in pathlib.Path("/proc").iterdir():
@@ -161,7 +166,9 @@ def test_fork_bomb(backend, task, host):
 
 def test_yes_flood_is_capped_and_killed(backend, task, host):
     mark = marker()
+    rss = _rss_mb()
     result, started = play(backend, task, [f"yes {mark}", "echo alive"])
+    assert _rss_mb() - rss < 100  # the learner's process did not buffer the flood
     flood = observations(result)[0]
     # killed at the timeout (bwrap), or stopped once the backend's output buffer is full (docker)
     assert flood.startswith(("Command timed out after 2 seconds and was killed.", "Command failed."))
