@@ -57,9 +57,13 @@ class TasksSection:
     train_split: str = opt("train", "split used for ES/GRPO updates")
     val_split: str = opt("val", "split evaluated every eval.every updates")
     test_split: str = opt("test", "split evaluated once at the end")
+    families: list[str] = opt([], "train and evaluate only these task families (empty = all)")
+    difficulties: list[str] = opt([], "train and evaluate only these tiers: easy, medium, hard (empty = all)")
 
     def __post_init__(self):
         _positive("tasks", "generate_n", self.generate_n, allow_zero=True)
+        for d in self.difficulties:
+            _choice("tasks", "difficulties", d, ("easy", "medium", "hard"))
 
 
 @dataclass
@@ -72,6 +76,8 @@ class EpisodeSection:
     temperature: float = opt(0.6, "sampling temperature (0 = greedy)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
     fitness: str = opt("binary", "per-episode score: binary (tests pass) or partial (fraction of tests)")
+    first_reply_prefix: str = opt("", "text every episode's first reply starts with, e.g. '<command>' (steers a "
+                                      "small model that ignores the tag format into running a command)")
 
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "episode_timeout_s", "command_timeout_s"):

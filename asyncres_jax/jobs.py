@@ -102,7 +102,7 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
     """
     from asyncres_jax.model import Model
     from asyncres_jax.model.generate import Engine
-    from asyncres_jax.rollout.episodes import ModelPolicy, run_episodes
+    from asyncres_jax.rollout.episodes import ModelPolicy, format_transcript, run_episodes
 
     policy_factory = policy_factory or ModelPolicy.from_config
     engines: dict[Any, Engine] = {}
@@ -132,5 +132,7 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
             "turns": int(sum(r.turns for r in results)),
             "timeouts": int(sum(r.timed_out for r in results)),
             "seconds": time.monotonic() - t,
+            # a sample of what the agent did, for RUN_DIR/transcripts (members 0 and 1 only: they travel in JSON)
+            **({"transcript": format_transcript(results[0])} if job.member_index < 2 and results else {}),
         })
     return job_fn

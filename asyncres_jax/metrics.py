@@ -1,9 +1,12 @@
-"""Per-update training metrics: one JSON object per line in RUN_DIR/metrics.jsonl.
+"""Per-update training metrics: one JSON object per line in RUN_DIR/metrics.jsonl, and the sinks around it.
 
-`MetricsWriter.write(record)` is the one place every update's numbers go through, so other sinks (TensorBoard,
-a progress display) can be added as extra writers without touching the training loop. The line count is the
-"metrics step" that checkpoints record: on resume the file is cut back to it, so updates that are redone after
-a crash are not logged twice.
+`MetricsWriter.write(record, samples)` is the one place every update's numbers go through:
+- RUN_DIR/metrics.jsonl: the record (the line count is the "metrics step" that checkpoints record: on resume
+  the file is cut back to it, so updates that are redone after a crash are not logged twice);
+- RUN_DIR/tb/: TensorBoard event files (tensorboardX, no TensorFlow): train/* scalars, the staleness histogram,
+  and eval/<split>/* from `write_eval`;
+- a live progress bar on stderr (tqdm): update, fitness, validation success, staleness, tokens/s and the ETA;
+- RUN_DIR/transcripts/update_NNNNN.txt: a sample of episode transcripts of the update.
 """
 
 from __future__ import annotations
@@ -11,12 +14,16 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import sys
 import threading
 from typing import Any, Iterable
 
 import numpy as np
 
 FILENAME = "metrics.jsonl"
+TB_DIR, TRANSCRIPTS_DIR = "tb", "transcripts"
+TB_SCALARS = ("fitness_mean", "fitness_std", "fitness_min", "fitness_max", "stale_fraction", "dropped", "reissued",
+              "wasted_seconds", "utilization", "update_seconds", "elapsed_seconds", "tokens", "tokens_per_second")
 
 
 def _plain(x: Any) -> Any:
@@ -64,28 +71,87 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
         "elapsed_seconds": float(elapsed_s),
         "tokens": int(totals.get("tokens", 0)),
         "episodes": int(totals.get("episodes", 0)),
+        # generated tokens of the cohort per second of the update's wall clock (all workers together)
+        "tokens_per_second": float(totals.get("tokens", 0) / metrics.wall_seconds) if metrics.wall_seconds else 0.0,
+        "successes": int(totals.get("successes", 0)),
     }
 
 
 class MetricsWriter:
-    """Appends records to RUN_DIR/metrics.jsonl (flushed per line); thread-safe."""
+    """Appends records to RUN_DIR/metrics.jsonl (flushed per line) and feeds TensorBoard and the progress bar;
+    thread-safe. total: the run's updates (for the bar and its ETA); initial: the update it starts at."""
 
-    def __init__(self, run_dir: str | pathlib.Path, step: int = 0):
-        self.path = pathlib.Path(run_dir) / FILENAME
-        self.step = step
+    def __init__(self, run_dir: str | pathlib.Path, step: int = 0, *, total: int | None = None, initial: int = 0,
+                 tensorboard: bool = True, progress: bool = True, max_samples: int = 2):
+        self.run_dir = pathlib.Path(run_dir)
+        self.path = self.run_dir / FILENAME
+        self.step, self.max_samples = step, max_samples
         self._lock = threading.Lock()
         truncate(self.path, step)
         self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
 
-    def write(self, record: dict) -> None:
+            # purge_step drops events of updates that a resumed run redoes
+            self._tb = SummaryWriter(str(self.run_dir / TB_DIR), purge_step=initial or None, flush_secs=10)
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="ES updates", unit="update", file=sys.stderr,
+                             dynamic_ncols=True, mininterval=0, ascii=not sys.stderr.isatty())
+        self._postfix: dict[str, str] = {}
+
+    def write(self, record: dict, samples: Iterable[str | None] = ()) -> None:
         with self._lock:
             self._file.write(json.dumps(_plain(record)) + "\n")
             self._file.flush()
             self.step += 1
+            update = int(record.get("update", self.step))
+            if self._tb is not None:
+                for k in TB_SCALARS:
+                    if isinstance(record.get(k), (int, float)):
+                        self._tb.add_scalar(f"train/{k}", record[k], update)
+                hist = record.get("staleness_hist") or {}
+                values = np.repeat([float(k) for k in hist], [int(v) for v in hist.values()])
+                if values.size:
+                    self._tb.add_histogram("train/staleness", values, update, bins=np.arange(-0.5, values.max() + 1))
+            texts = [t for t in samples if t][: self.max_samples]
+            if texts:
+                folder = self.run_dir / TRANSCRIPTS_DIR
+                folder.mkdir(exist_ok=True)
+                (folder / f"update_{update:05d}.txt").write_text("\n\n".join(texts) + "\n")
+            if self._bar is not None:
+                self._postfix.update(fitness=f"{record.get('fitness_mean', float('nan')):.3f}",
+                                     stale=f"{record.get('stale_fraction', 0):.2f}",
+                                     tok_s=f"{record.get('tokens_per_second', 0):.0f}")
+                self._bar.set_postfix(self._postfix, refresh=False)
+                self._bar.update(update - self._bar.n)
+
+    def write_eval(self, r: dict) -> None:
+        """An evaluation summary (asyncres_jax.evaluate): eval/<split>/* scalars, and val success on the bar."""
+        with self._lock:
+            update, split = int(r["update"]), r["split"]
+            if self._tb is not None:
+                self._tb.add_scalar(f"eval/{split}/success", r["success"], update)
+                self._tb.add_scalar(f"eval/{split}/ci_low", r["ci"][0], update)
+                self._tb.add_scalar(f"eval/{split}/ci_high", r["ci"][1], update)
+                self._tb.add_scalar(f"eval/{split}/partial", r["partial"], update)
+                for fam, g in r.get("per_family", {}).items():
+                    self._tb.add_scalar(f"eval/{split}/family/{fam}", g["success"], update)
+                self._tb.flush()
+            if self._bar is not None:
+                self._postfix[split] = f"{100 * r['success']:.1f}%"
+                self._bar.set_postfix(self._postfix)
 
     def close(self) -> None:
         with self._lock:
             self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+            if self._bar is not None:
+                self._bar.close()
 
 
 def truncate(path: pathlib.Path, lines: int) -> None:

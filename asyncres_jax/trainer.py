@@ -267,6 +267,7 @@ class ESTrainer:
         self._pause_at = cfg.es.updates
         self.backend = None
         self.drained_hooks: list[Callable[["ESTrainer"], None]] = []  # e.g. validation every eval.every updates
+        self.before_run_hooks: list[Callable[["ESTrainer"], None]] = []  # e.g. validation of the base model
         fake = cfg.tasks.dataset == FAKE
         # Everything that can be wrong with the input fails here, before the run directory is touched.
         dataset = None if fake else ensure_tasks(cfg)
@@ -289,7 +290,8 @@ class ESTrainer:
             metrics_step = restored
         elif resume:
             raise UserError(f"--resume: {self.run_dir} has no readable checkpoint; drop --resume to start over")
-        self.metrics = metrics.MetricsWriter(self.run_dir, metrics_step)
+        self.metrics = metrics.MetricsWriter(self.run_dir, metrics_step, total=cfg.es.updates,
+                                             initial=self.store.version)
         write_manifest(self.run_dir, cfg, self.mesh, argv, self.store.version if continuing else None)
 
         if job_fn is None:
@@ -333,13 +335,22 @@ class ESTrainer:
         from asyncres_jax.envs.task import load_split
         from asyncres_jax.rollout.episodes import EpisodeConfig
 
-        tasks = load_split(dataset, self.cfg.tasks.train_split)
+        from asyncres_jax.evaluate import filter_tasks
+
+        tasks = filter_tasks(load_split(dataset, self.cfg.tasks.train_split), self.cfg.tasks.families,
+                             self.cfg.tasks.difficulties)
         if not tasks:
             raise UserError(f"{dataset}/splits/{self.cfg.tasks.train_split}.txt lists no tasks")
         self.backend = make_backend(self.cfg)
         episode_cfg = EpisodeConfig.from_sections(self.cfg.episode, self.cfg.sandbox)
+        import functools
+
+        from asyncres_jax.rollout.episodes import ModelPolicy
+
+        policy = functools.partial(ModelPolicy.from_config, first_reply_prefix=self.cfg.episode.first_reply_prefix)
         return episode_job_fn(self.model, tasks, self.backend, episode_cfg, self.es_cfg, global_seed=self.cfg.seed,
-                              tasks_per_member=self.cfg.es.tasks_per_member, fitness=self.cfg.episode.fitness)
+                              tasks_per_member=self.cfg.es.tasks_per_member, fitness=self.cfg.episode.fitness,
+                              policy_factory=policy)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -407,7 +418,7 @@ class ESTrainer:
             self.coordinator.drain()  # atomically with the commit: no job of the next version starts
         record = metrics.update_record(version, cohort.fitness, cohort.staleness, cohort.metrics,
                                        [r.stats for r in cohort.results], self.elapsed())
-        self.metrics.write(record)
+        self.metrics.write(record, samples=[r.stats.get("transcript") for r in cohort.results])
         log(f"update {version}/{self.cfg.es.updates}: fitness {record['fitness_mean']:.4f} "
             f"± {record['fitness_std']:.4f}, staleness {record['staleness_hist']}, dropped {record['dropped']}, "
             f"utilisation {record['utilization']:.2f}, {record['update_seconds']:.1f} s")
@@ -426,6 +437,8 @@ class ESTrainer:
         log(f"training {self.model!r} on mesh {self.mesh.shape['data']}x{self.mesh.shape['model']}: "
             f"{len(self.pool.replicas)} replicas x {cfg.pool.workers_per_replica} workers, "
             f"update {self.store.version} -> {cfg.es.updates}")
+        for hook in self.before_run_hooks:
+            hook(self)
         while self.store.version < cfg.es.updates and not self._stop.is_set():
             self._pause_at = min((self.store.version // every + 1) * every, cfg.es.updates)
             self.pool.resume()
@@ -502,6 +515,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ha
                           devices=devices)
     trainer = ESTrainer(cfg, resume=resume, overwrite=overwrite, argv=argv, devices=devices)
     try:
+        from asyncres_jax.evaluate import attach
+
+        attach(trainer)  # validation every eval.every updates, test at the end
         if handle_signals:
             with _Signals(trainer):
                 trainer.run()
@@ -524,6 +540,27 @@ def _find_checkpoint(path: pathlib.Path) -> tuple[pathlib.Path, int | None]:
                     f"(expected RUN_DIR/{CONFIG_FILE} and RUN_DIR/{CHECKPOINTS}/)")
 
 
+def restore_params(run: pathlib.Path, step: int | None, cfg: TrainConfig, model):
+    """(parameters, the Restored checkpoint) of RUN_DIR's latest checkpoint, or of checkpoint `step`."""
+    if cfg.algo == "grpo":
+        from asyncres_jax.grpo.trainer import opt_template
+
+        opt_state = opt_template(model.params, cfg)
+    else:
+        opt_state = es.init(model.params, es_config(cfg))
+    template = {**flatten(model.params, "params"), **flatten(opt_state, "opt")}
+    ckpt = Checkpointer(run / CHECKPOINTS, cfg.checkpoint.keep, report=log)
+    try:
+        if step is not None and step not in ckpt.steps():
+            raise UserError(f"{run / CHECKPOINTS} has no checkpoint {step}; it has {ckpt.steps()}")
+        restored = ckpt.restore_latest(template, steps=None if step is None else [step])
+    finally:
+        ckpt.close()
+    if restored is None:
+        raise UserError(f"{run / CHECKPOINTS} holds no readable checkpoint")
+    return unflatten_like(model.params, restored.arrays, "params"), restored
+
+
 def export(checkpoint: str, out: str, *, dtype: str = "float32", overwrite: bool = False) -> pathlib.Path:
     """A checkpoint's parameters as a Hugging Face folder: config.json (the original model's when it had one,
     else derived: Qwen2/Llama style), model.safetensors and the tokenizer files when the model has them."""
@@ -538,24 +575,7 @@ def export(checkpoint: str, out: str, *, dtype: str = "float32", overwrite: bool
     cfg = load_config(run / CONFIG_FILE)
     mesh = make_mesh("1x1", jax.devices()[:1])
     model = load_policy_model(cfg.model.name, cfg.model.dtype, mesh)
-    es_cfg = es_config(cfg)
-    if cfg.algo == "grpo":
-        from asyncres_jax.grpo.trainer import opt_template
-
-        opt_state = opt_template(model.params, cfg)
-    else:
-        opt_state = es.init(model.params, es_cfg)
-    template = {**flatten(model.params, "params"), **flatten(opt_state, "opt")}
-    ckpt = Checkpointer(run / CHECKPOINTS, cfg.checkpoint.keep, report=log)
-    try:
-        if step is not None and step not in ckpt.steps():
-            raise UserError(f"{run / CHECKPOINTS} has no checkpoint {step}; it has {ckpt.steps()}")
-        restored = ckpt.restore_latest(template, steps=None if step is None else [step])
-    finally:
-        ckpt.close()
-    if restored is None:
-        raise UserError(f"{run / CHECKPOINTS} holds no readable checkpoint")
-    params = unflatten_like(model.params, restored.arrays, "params")
+    params, restored = restore_params(run, step, cfg, model)
     params = jax.tree.map(lambda x: np.asarray(x.astype(jnp.dtype(dtype))), params)
     if out_dir.exists() and overwrite:
         shutil.rmtree(out_dir)

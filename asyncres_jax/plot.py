@@ -1,0 +1,197 @@
+"""Learning curves and pool statistics of training runs as PNG files, and a markdown results table.
+
+    python -m asyncres_jax.plot RUN_DIR [RUN_DIR ...] [--out DIR] [--labels A B ...] [--table FILE.md]
+
+Reads each run's metrics.jsonl (one record per ES update) and eval.jsonl (held-out evaluations) and draws,
+several runs on one chart:
+    success_vs_update.png   validation success (95% CI band) and test success (CI bar) vs update
+    success_vs_time.png     the same vs wall-clock minutes
+    fitness.png             cohort fitness (mean, min-max band) vs update
+    staleness.png           histogram of the staleness of the accepted results, per run
+    utilization.png         worker utilisation per update
+--table FILE writes (and prints) a markdown table: run, updates, first/last validation success, test success
+with its CI, wall time and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+
+from asyncres_jax import metrics
+from asyncres_jax.errors import UserError
+
+FILES = ("success_vs_update.png", "success_vs_time.png", "fitness.png", "staleness.png", "utilization.png")
+
+
+def load_run(path: str | pathlib.Path) -> dict:
+    """{'name', 'updates': [metrics records], 'evals': [eval summaries]} of one run directory."""
+    from asyncres_jax.evaluate import read_evals
+
+    run = pathlib.Path(path)
+    if not run.is_dir():
+        raise UserError(f"{run} is not a directory; give training run directories (they hold metrics.jsonl)")
+    updates, evals = metrics.read(run), read_evals(run)
+    if not updates and not evals:
+        raise UserError(f"{run} holds neither {metrics.FILENAME} nor eval.jsonl; is it a training run directory?")
+    return {"name": run.name, "path": run, "updates": updates, "evals": evals}
+
+
+def _evals(run: dict, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rows = [e for e in run["evals"] if e["split"] == split]
+    upd = np.array([e["update"] for e in rows], float)
+    t = np.array([e.get("elapsed_seconds", 0.0) / 60 for e in rows], float)
+    s = np.array([e["success"] for e in rows], float)
+    ci = np.array([e["ci"] for e in rows], float).reshape(-1, 2)
+    return upd, t, s, ci
+
+
+def _finish(fig, ax, out: pathlib.Path, plt, xlabel: str, ylabel: str, title: str, axis: str = "both") -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis=axis)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, run in enumerate(runs):
+        color = f"C{i}"
+        upd, t, s, ci = _evals(run, "val")
+        xs = upd if x == "update" else t
+        if len(s):
+            ax.plot(xs, 100 * s, "o-", color=color, label=f"{run['name']} validation")
+            ax.fill_between(xs, 100 * ci[:, 0], 100 * ci[:, 1], color=color, alpha=0.15)
+        upd, t, s, ci = _evals(run, "test")
+        xs = upd if x == "update" else t
+        if len(s):
+            err = 100 * np.abs(ci - s[:, None]).T
+            ax.errorbar(xs, 100 * s, yerr=err, fmt="s", color=color, capsize=4, label=f"{run['name']} test")
+    _finish(fig, ax, out, plt, "ES update" if x == "update" else "wall clock (minutes)", "held-out success (%)",
+            "Held-out success (95% CI: bootstrap over tasks)")
+
+
+def _fitness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, run in enumerate(runs):
+        u = run["updates"]
+        if not u:
+            continue
+        x = [r["update"] for r in u]
+        ax.plot(x, [r["fitness_mean"] for r in u], color=f"C{i}", label=run["name"])
+        ax.fill_between(x, [r["fitness_min"] for r in u], [r["fitness_max"] for r in u], color=f"C{i}", alpha=0.15)
+    _finish(fig, ax, out, plt, "ES update", "cohort fitness (mean; band: min-max)", "Training fitness")
+
+
+def staleness_counts(updates: list[dict]) -> dict[int, int]:
+    """Accepted results per staleness value, summed over the run's updates."""
+    total: dict[int, int] = {}
+    for r in updates:
+        for k, v in (r.get("staleness_hist") or {}).items():
+            total[int(k)] = total.get(int(k), 0) + int(v)
+    return dict(sorted(total.items()))
+
+
+def _staleness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    width = 0.8 / max(1, len(runs))
+    for i, run in enumerate(runs):
+        counts = staleness_counts(run["updates"])
+        if counts:
+            n = sum(counts.values())
+            ax.bar(np.array(list(counts)) + (i - (len(runs) - 1) / 2) * width,
+                   [100 * v / n for v in counts.values()], width=width, color=f"C{i}", label=f"{run['name']} ({n})")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    _finish(fig, ax, out, plt, "staleness of an accepted result (updates)", "share of accepted results (%)",
+            "Staleness histogram", axis="y")
+
+
+def _utilization_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, run in enumerate(runs):
+        u = run["updates"]
+        if u:
+            ax.plot([r["update"] for r in u], [100 * r["utilization"] for r in u], ".-", color=f"C{i}",
+                    label=f"{run['name']} (mean {100 * np.mean([r['utilization'] for r in u]):.0f}%)")
+    ax.set_ylim(0, 105)
+    _finish(fig, ax, out, plt, "ES update", "worker utilisation (%)", "Worker utilisation per update")
+
+
+def plot(runs: list[dict], out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f for f in FILES]
+    _success_chart(runs, "update", paths[0], plt)
+    _success_chart(runs, "time", paths[1], plt)
+    _fitness_chart(runs, paths[2], plt)
+    _staleness_chart(runs, paths[3], plt)
+    _utilization_chart(runs, paths[4], plt)
+    return paths
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def table(runs: list[dict]) -> str:
+    """One markdown row per run."""
+    lines = ["| run | updates | validation: first -> last | test success [95% CI] | wall time | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for run in runs:
+        u, val = run["updates"], [e for e in run["evals"] if e["split"] == "val"]
+        test = [e for e in run["evals"] if e["split"] == "test"]
+        seconds = max([r["elapsed_seconds"] for r in u] + [e.get("elapsed_seconds", 0) for e in run["evals"]],
+                      default=0.0)
+        busy = sum(r["update_seconds"] for r in u)
+        tok_s = sum(r["tokens"] for r in u) / busy if busy else 0.0
+        first_last = f"{_pct(val[0]['success'])} -> {_pct(val[-1]['success'])}" if val else "n/a"
+        t = test[-1] if test else None
+        test_s = f"{_pct(t['success'])} [{_pct(t['ci'][0])}, {_pct(t['ci'][1])}]" if t else "n/a"
+        lines.append(f"| {run['name']} | {u[-1]['update'] if u else 0} | {first_last} | {test_s} | "
+                     f"{seconds / 60:.1f} min | {tok_s:.0f} |")
+    return "\n".join(lines)
+
+
+def _main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m asyncres_jax.plot", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", help="training run directories")
+    p.add_argument("--out", help="folder for the PNG files (default: RUN_DIR/plots of the first run)")
+    p.add_argument("--labels", nargs="+", help="a legend label per run (default: the directory names)")
+    p.add_argument("--table", help="also write a markdown table of the runs to this file")
+    ns = p.parse_args(argv)
+    runs = [load_run(r) for r in ns.runs]
+    if ns.labels:
+        if len(ns.labels) != len(runs):
+            raise UserError(f"--labels has {len(ns.labels)} names for {len(runs)} runs; give one per run")
+        for run, label in zip(runs, ns.labels):
+            run["name"] = label
+    for path in plot(runs, ns.out or pathlib.Path(ns.runs[0]) / "plots"):
+        print(path)
+    if ns.table:
+        md = table(runs)
+        pathlib.Path(ns.table).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(ns.table).write_text(md + "\n")
+        print(md)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from asyncres_jax.errors import cli_main
+
+    return cli_main(_main)(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

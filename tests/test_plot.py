@@ -1,0 +1,66 @@
+"""`python -m asyncres_jax.plot` on two tiny fake runs: every PNG is written and decodes, the table holds the
+runs' numbers, and bad input is one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncres_jax import plot
+
+
+def fake_run(root, name, n_updates, stale_share, val, test):
+    run = root / name
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for u in range(1, n_updates + 1):
+            stale = 1 if u % stale_share == 0 else 0
+            f.write(json.dumps({"update": u, "fitness_mean": 0.1 * u, "fitness_std": 0.05, "fitness_min": 0.05 * u,
+                                "fitness_max": 0.2 * u, "staleness_hist": {"0": 4 - stale, "1": stale},
+                                "utilization": 0.7 + 0.01 * u, "update_seconds": 30.0, "elapsed_seconds": 30.0 * u,
+                                "tokens": 3000, "episodes": 8}) + "\n")
+    with open(run / "eval.jsonl", "w") as f:
+        for split, rows in (("val", val), ("test", test)):
+            for u, s in rows:
+                f.write(json.dumps({"split": split, "update": u, "success": s, "ci": [s - 0.1, s + 0.1],
+                                    "elapsed_seconds": 30.0 * u}) + "\n")
+    return run
+
+
+@pytest.fixture
+def runs(tmp_path):
+    a = fake_run(tmp_path, "sync", 4, 99, [(0, 0.2), (2, 0.25), (4, 0.3)], [(4, 0.28)])
+    b = fake_run(tmp_path, "async1", 4, 2, [(0, 0.2), (2, 0.3), (4, 0.35)], [(4, 0.33)])
+    return a, b
+
+
+def test_plot_writes_every_chart_for_several_runs(runs, tmp_path, capsys):
+    out = tmp_path / "plots"
+    assert plot.main([str(runs[0]), str(runs[1]), "--out", str(out), "--labels", "Sync", "Async-1",
+                      "--table", str(tmp_path / "results.md")]) == 0
+    import matplotlib.image as mpimg
+
+    for name in plot.FILES:
+        png = out / name
+        assert png.stat().st_size > 5000, name
+        assert mpimg.imread(png).shape[0] > 100  # decodes as an image
+    table = (tmp_path / "results.md").read_text()
+    assert "| Sync | 4 | 20.0% -> 30.0% | 28.0% [18.0%, 38.0%] | 2.0 min | 100 |" in table
+    assert "| Async-1 | 4 | 20.0% -> 35.0% |" in table
+    assert str(out / "fitness.png") in capsys.readouterr().out
+
+
+def test_staleness_counts_sum_over_updates(runs):
+    assert plot.staleness_counts(plot.load_run(runs[1])["updates"]) == {0: 14, 1: 2}
+
+
+def test_default_out_is_inside_the_first_run_and_errors_are_one_line(runs, tmp_path, capsys):
+    assert plot.main([str(runs[0])]) == 0
+    assert (runs[0] / "plots" / "success_vs_time.png").is_file()
+    assert plot.main([str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert plot.main([str(tmp_path / "empty")]) == 2
+    assert plot.main([str(runs[0]), "--labels", "a", "b"]) == 2
+    assert "one per run" in capsys.readouterr().err
