@@ -2,7 +2,6 @@
 replays RUN/COPY/WORKDIR/ENV/USER (or runs environment/setup.sh) as the sandbox user, skipping installs of what
 the host has, mapping user and ownership steps, and naming the step or package that cannot work."""
 
-import os
 import pathlib
 import textwrap
 
@@ -12,6 +11,7 @@ from asyncres_jax.envs import bwrap
 from asyncres_jax.envs.dockerfile import expand, parse_dockerfile, parse_env
 from asyncres_jax.envs.task import load_task
 from asyncres_jax.errors import UserError
+from bwrap_support import backend  # noqa: F401  (the shared module-scoped fixture)
 
 
 # --- the parser (no sandbox needed) ------------------------------------------------------------------------
@@ -50,17 +50,6 @@ def test_parser_names_the_line_of_an_unclosed_heredoc():
 
 
 # --- replay in the sandbox --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def backend():
-    problem = bwrap.host_problem()
-    if problem:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the bwrap sandbox cannot run: {problem}")
-        pytest.skip(problem)
-    with bwrap.BwrapBackend() as b:
-        yield b
 
 
 def make_task(root: pathlib.Path, name: str, dockerfile: str | None = None, setup: str | None = None,

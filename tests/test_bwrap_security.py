@@ -14,23 +14,9 @@ import pytest
 from asyncres_jax.envs import bwrap
 from asyncres_jax.envs.task import load_task
 from asyncres_jax.errors import UserError
+from bwrap_support import backend  # noqa: F401  (the shared module-scoped fixture)
 
 pytestmark = pytest.mark.bwrap
-
-
-def bwrap_or_skip() -> None:
-    problem = bwrap.host_problem()
-    if problem:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the bwrap sandbox cannot run: {problem}")
-        pytest.skip(problem)
-
-
-@pytest.fixture(scope="module")
-def backend():
-    bwrap_or_skip()
-    with bwrap.BwrapBackend() as b:
-        yield b
 
 
 @pytest.fixture(scope="module")

@@ -3,31 +3,19 @@ episode, doing nothing scores 0, and the oracle scores 1. And a real Endless Ter
 (uvx/curl test.sh, printf Dockerfile) runs unchanged; `tasks check --json` reports one object per task."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from asyncres_jax.envs import bwrap
 from asyncres_jax.envs.check import check_tasks
 from asyncres_jax.envs.generator import generate
 from asyncres_jax.envs.task import load_dataset, load_task
+from bwrap_support import backend  # noqa: F401  (the shared module-scoped fixture)
 
 pytestmark = pytest.mark.bwrap
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "et_error_summary"
-
-
-@pytest.fixture(scope="module")
-def backend():
-    problem = bwrap.host_problem()
-    if problem:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the bwrap sandbox cannot run: {problem}")
-        pytest.skip(problem)
-    with bwrap.BwrapBackend() as b:
-        yield b
 
 
 def test_300_generated_tasks_initial_passes_noop_scores_0_oracle_scores_1(backend, tmp_path):
