@@ -1,5 +1,6 @@
 """ES noise: the seed rule, the three noise modes, perturb, member seeds."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -133,3 +134,13 @@ def test_layout_fingerprint_changes_with_layout_only():
 def test_bad_seed_is_a_user_error(seed):
     with pytest.raises(UserError):
         es.perturb(tiny_params(), seed, es.ESConfig())
+
+
+def test_blocks_of_rows_are_bit_identical_to_the_whole_draw():
+    noise_mod = importlib.import_module("asyncres_jax.es.noise")
+    key = jax.random.fold_in(jax.random.key(123), es.stable_hash("embed/embedding"))
+    for shape in [(10, 7), (9, 3, 5), (1000,)]:
+        whole = np.asarray(jax.random.normal(key, shape, jnp.float32))
+        for row0, rows in [(0, shape[0]), (3, 4), (shape[0] - 2, 2)]:
+            block = jax.jit(noise_mod.normal_rows, static_argnums=(1, 3))(key, shape, row0, rows)
+            np.testing.assert_array_equal(block, whole[row0 : row0 + rows])

@@ -1,5 +1,7 @@
 """es.update against a NumPy reference of the paper's rule, shaping, optimiser options, replay, bad input."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,3 +164,14 @@ def test_bad_input_is_a_clear_user_error(make):
     with pytest.raises(UserError) as info:
         make(tiny_params(), es.ESConfig(population=6))
     assert "\n" not in str(info.value) and len(str(info.value)) > 20
+
+
+def test_update_drawing_noise_by_blocks_of_rows_is_bit_identical(monkeypatch):
+    update_mod = importlib.import_module("asyncres_jax.es.update")
+    params, cfg = tiny_params(), es.ESConfig(population=6, alpha=0.5)
+    seeds = list(range(6))
+    whole, _ = es.update(params, es.init(params, cfg), seeds, FITNESS, cfg)
+    monkeypatch.setattr(update_mod, "CHUNK", 16)  # embedding [10, 4]: 2 blocks of 4 rows and a tail of 2
+    blocked, _ = es.update(params, es.init(params, cfg), seeds, FITNESS, cfg)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(blocked)):
+        np.testing.assert_array_equal(a, b)

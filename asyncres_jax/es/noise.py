@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.random import threefry2x32_p
 
 from asyncres_jax.errors import UserError
 from asyncres_jax.es.config import ESConfig
@@ -113,6 +114,26 @@ def leaf_factors(key: jax.Array, shape: tuple[int, ...], rank: int) -> LowRank:
         a=jax.random.normal(key_a, (*batch, m, rank), jnp.float32),
         b=jax.random.normal(key_b, (*batch, n, rank), jnp.float32),
     )
+
+
+def normal_rows(key: jax.Array, shape: tuple[int, ...], row0, rows: int) -> jax.Array:
+    """Rows [row0, row0 + rows) of jax.random.normal(key, shape, float32), bit for bit, without drawing the rest.
+
+    The partitionable threefry's bits of element i depend only on (key, i), so a block of rows is threefry of
+    its flat indices; the bits -> uniform -> normal steps repeat jax.random.normal's (tests pin the equality).
+    XLA on CPU materialises several leaf-sized temporaries for one threefry draw; drawing by blocks keeps the
+    update's memory near one leaf. Needs prod(shape) < 2**32 (the high counter word is then 0).
+    """
+    row_size = math.prod(shape[1:])
+    block = (rows, *shape[1:])
+    k1, k2 = jax.random.key_data(key)
+    lo = jnp.asarray(row0, jnp.uint32) * np.uint32(row_size) + jax.lax.iota(jnp.uint32, rows * row_size)
+    bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(lo), lo)
+    float_bits = jax.lax.shift_right_logical(bits1 ^ bits2, np.uint32(32 - 23)) | np.float32(1.0).view(np.uint32)
+    floats = jax.lax.bitcast_convert_type(float_bits, jnp.float32) - np.float32(1.0)
+    lo_f = np.nextafter(np.float32(-1.0), np.float32(0.0), dtype=np.float32)
+    u = jax.lax.max(lo_f, floats * (np.float32(1.0) - lo_f) + lo_f)
+    return (np.float32(np.sqrt(2)) * jax.lax.erf_inv(u)).reshape(block)
 
 
 def constrain(x: jax.Array, sharding) -> jax.Array:

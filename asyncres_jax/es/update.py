@@ -4,8 +4,9 @@
     theta     <- theta + optax(g)                (optax minimises, hence the minus sign)
 With the default optax.sgd(alpha) this is theta + alpha/N * sum_i z_i eps_i, the paper's rule.
 
-Memory: for each leaf one jitted call scans the members and accumulates sum z_i eps_i in float32, so beyond the
-parameters (and the optimiser state) only about one leaf's worth of buffers is alive at a time. With
+Memory: for each leaf one jitted call scans the members and accumulates sum z_i eps_i in float32 (a large
+unsharded leaf's noise is drawn in blocks of rows, bit-identical to the whole draw), so beyond the parameters
+(and the optimiser state) only about one leaf's worth of buffers is alive at a time. With
 donate=True the old parameter and optimiser-state buffers are reused for the new ones. In lowrank mode a
 matrix's sum is one product of the stacked factors, sum_i z_i A_i B_i^T = [z_i A_i]_i [B_i]_i^T, contracted
 by noise.outer_sum in a fixed order so that it is bit-identical on every mesh.
@@ -33,6 +34,7 @@ from asyncres_jax.es.noise import (
     leaf_key,
     leaf_noise,
     named_shardings,
+    normal_rows,
     outer_sum,
 )
 from asyncres_jax.es.shaping import check_fitness, shape_fitness
@@ -73,7 +75,7 @@ def _check_seeds(seeds, cfg: ESConfig) -> np.ndarray:
     return seeds_s.astype(np.int32)
 
 
-def leaf_estimate(seeds_s, coeffs_s, leaf_id, shape, cfg: ESConfig, sharding) -> jax.Array:
+def leaf_estimate(seeds_s, coeffs_s, leaf_id, shape, cfg: ESConfig, sharding, chunk: int = 2**20) -> jax.Array:
     """sum_s coeffs_s * eps_s of one leaf, float32, members rebuilt from their seeds."""
     if is_lowrank_leaf(shape, cfg):
         f = jax.vmap(lambda s: leaf_factors(leaf_key(s, leaf_id), shape, cfg.rank))(seeds_s)  # a: [S, ..., m, r]
@@ -87,14 +89,37 @@ def leaf_estimate(seeds_s, coeffs_s, leaf_id, shape, cfg: ESConfig, sharding) ->
 
     def add_member(acc, seed_coeff):
         seed, coeff = seed_coeff
-        return acc + coeff * leaf_noise(leaf_key(seed, leaf_id), shape, cfg, sharding), None
+        return add_noise(acc, leaf_key(seed, leaf_id), coeff, cfg, sharding, chunk), None
 
     acc = constrain(jnp.zeros(shape, jnp.float32), sharding)
     return jax.lax.scan(add_member, acc, (seeds_s, coeffs_s))[0]
 
 
-def _leaf_step(param, opt_state, anchor, seeds_s, coeffs_s, leaf_id, cfg: ESConfig, sharding):
-    est = leaf_estimate(seeds_s, coeffs_s, leaf_id, param.shape, cfg, sharding)
+def add_noise(acc, key, coeff, cfg: ESConfig, sharding, chunk: int) -> jax.Array:
+    """acc + coeff * eps(key), updating a large unsharded leaf in place block by block (see normal_rows).
+
+    Sharded leaves draw whole: each device then only holds its shard's temporaries.
+    """
+    shape = acc.shape
+    size = math.prod(shape)
+    if sharding is not None or len(shape) == 0 or size <= chunk or size >= 2**32:
+        return acc + coeff * leaf_noise(key, shape, cfg, sharding)
+    rows = max(1, chunk // math.prod(shape[1:]))
+    blocks, tail = divmod(shape[0], rows)
+
+    def add_block(j, acc):
+        row0 = j * rows
+        old = jax.lax.dynamic_slice_in_dim(acc, row0, rows)
+        return jax.lax.dynamic_update_slice_in_dim(acc, old + coeff * normal_rows(key, shape, row0, rows), row0, 0)
+
+    acc = jax.lax.fori_loop(0, blocks, add_block, acc)
+    if tail:
+        acc = acc.at[blocks * rows :].add(coeff * normal_rows(key, shape, blocks * rows, tail))
+    return acc
+
+
+def _leaf_step(param, opt_state, anchor, seeds_s, coeffs_s, leaf_id, cfg: ESConfig, sharding, chunk: int):
+    est = leaf_estimate(seeds_s, coeffs_s, leaf_id, param.shape, cfg, sharding, chunk)
     scale = cfg.population * (cfg.sigma if cfg.divide_by_sigma else 1.0)
     updates, opt_state = optimizer(cfg).update(est * np.float32(-1.0 / scale), opt_state, param)
     theta = param.astype(jnp.float32)
@@ -104,8 +129,9 @@ def _leaf_step(param, opt_state, anchor, seeds_s, coeffs_s, leaf_id, cfg: ESConf
     return constrain(new.astype(param.dtype), sharding), opt_state
 
 
-_step = jax.jit(_leaf_step, static_argnums=(6, 7))
-_step_donating = jax.jit(_leaf_step, static_argnums=(6, 7), donate_argnums=(0, 1))
+CHUNK = 2**20  # elements of noise drawn at a time in a large unsharded leaf
+_step = jax.jit(_leaf_step, static_argnums=(6, 7, 8))
+_step_donating = jax.jit(_leaf_step, static_argnums=(6, 7, 8), donate_argnums=(0, 1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -136,7 +162,9 @@ def apply_logged_update(params, opt_state: ESState, seeds, shaped_fitness, cfg: 
     step = _step_donating if donate else _step
     new_params, new_opt = [], []
     for x, s, anchor, lid, sharding in zip(leaves, opt_leaves, anchors, leaf_ids(params, cfg), named_shardings(leaves)):
-        p, s = step(x, s, anchor, seeds_s, coeffs_s, np.uint32(lid), cfg, sharding)
+        if new_params:  # at most two leaves in flight: independent steps would otherwise run concurrently,
+            new_params[-1].block_until_ready()  # each with its own leaf-sized temporaries
+        p, s = step(x, s, anchor, seeds_s, coeffs_s, np.uint32(lid), cfg, sharding, CHUNK)
         new_params.append(p)
         new_opt.append(s)
     return treedef.unflatten(new_params), ESState(opt=treedef.unflatten(new_opt), init_params=opt_state.init_params)
