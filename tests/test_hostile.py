@@ -146,6 +146,9 @@ def test_the_process_scan_sees_a_live_marked_process():
     seconds = f"1000.{uuid.uuid4().int % 10**9}"
     proc = subprocess.Popen(["sleep", seconds])
     try:
+        deadline = time.monotonic() + 10  # until the child has exec'd sleep
+        while not host_processes_with(f"sleep\0{seconds}") and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(host_processes_with(f"sleep\0{seconds}")) == 1
     finally:
         proc.kill()
