@@ -51,7 +51,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="delete an existing run in run_dir and start afresh")
     p.add_argument("--help-config", action="store_true", help="list every config option with its default and doc")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    ns = p.parse_args(argv)
+    ns = p.parse_intermixed_args(argv)  # overrides may come before or after the options
     ns.command = "train"
     return ns
 

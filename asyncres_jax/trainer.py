@@ -452,8 +452,9 @@ class ESTrainer:
                         raise UserError(f"a rollout job failed: {e.__cause__}") from None
                     raise
             self.pool.drain()
-            for hook in self.drained_hooks:
-                hook(self)
+            if not self._stop.is_set():  # a stop request ends the session quickly: no evaluation now
+                for hook in self.drained_hooks:
+                    hook(self)
             self.save_checkpoint()
         if self._stop.is_set():
             log(f"stopped at update {self.store.version}; resume with the same command")

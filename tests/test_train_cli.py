@@ -1,0 +1,74 @@
+"""The train CLI's bad input: each mistake is one line on stderr and exit code 2, before anything is written;
+an existing run is never overwritten without --overwrite, and a folder that is not a run is never deleted."""
+
+import pytest
+
+from asyncres_jax import train
+from asyncres_jax.config import load_config
+from asyncres_jax.errors import UserError
+from asyncres_jax.trainer import CONFIG_FILE, prepare_run_dir
+
+pytestmark = pytest.mark.xdist_group("train")
+
+FAKE = ["model.name=tiny", "tasks.dataset=fake", "es.population=8", "es.updates=1"]
+
+
+def run_cli(capsys, *argv):
+    code = train.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["es.populaton=8"], "unknown config key 'es.populaton'"),
+    (["--mesh", "3x1"], "mesh 3x1 needs 3 devices but 8 are available"),
+    (["--mesh", "1x8"], "model axis 8 does not divide num_heads=4"),
+    (["model.name=/nonexistent/model"], "model '/nonexistent/model' not found"),
+    (["tasks.dataset=/nonexistent/tasks"], "task folder /nonexistent/tasks does not exist"),
+    (["--resume"], "there is no run in"),
+    (["pool.mode=async", "es.antithetic=true"], "es.antithetic=true needs pool.mode=sync"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, fragment):
+    code, last = run_cli(capsys, f"run_dir={tmp_path / 'run'}", *FAKE, *args)
+    assert code == 2
+    assert last.startswith("error: ") and fragment in last
+    assert not (tmp_path / "run").exists()  # nothing written for bad input
+
+
+def test_run_dir_of_a_different_config_is_refused(capsys, tmp_path):
+    run = tmp_path / "run"
+    prepare_run_dir(load_config(None, [f"run_dir={run}", *FAKE]), resume=False, overwrite=False)
+    (run / "metrics.jsonl").write_text('{"update": 1}\n')
+    code, last = run_cli(capsys, f"run_dir={run}", *FAKE, "es.sigma=0.5")
+    assert code == 2 and "holds a run of a different config" in last and "es.sigma" in last
+    assert (run / "metrics.jsonl").read_text() == '{"update": 1}\n'  # untouched
+
+
+def test_overwrite_replaces_a_run_but_never_a_foreign_folder(tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(None, [f"run_dir={run}", *FAKE])
+    assert prepare_run_dir(cfg, resume=False, overwrite=False) is False
+    (run / "metrics.jsonl").write_text("old\n")
+    assert prepare_run_dir(cfg, resume=False, overwrite=False) is True  # same config: the run continues
+    assert (run / "metrics.jsonl").exists()
+    assert prepare_run_dir(cfg, resume=False, overwrite=True) is False
+    assert not (run / "metrics.jsonl").exists() and (run / CONFIG_FILE).exists()
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    with pytest.raises(UserError, match="is not a training run"):
+        prepare_run_dir(load_config(None, [f"run_dir={foreign}", *FAKE]), resume=False, overwrite=True)
+    assert (foreign / "thesis.tex").read_text() == "precious"
+
+
+def test_export_of_something_that_is_not_a_run(capsys, tmp_path):
+    code, last = run_cli(capsys, "export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf"))
+    assert code == 2 and "is not a run directory" in last
+
+
+def test_help_config_documents_every_option(capsys):
+    assert train.main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    for key in ("es.population = 30", "pool.max_staleness = 1", "checkpoint.every", "tasks.dataset"):
+        assert key in out
