@@ -1,8 +1,9 @@
 """A cohort's episodes as one batch: several members of one version play their task batch together, members x
 tasks rows, through one generation over one copy of the weights (low-rank ES: es/population.py).
 
-- `run_cohort(engine, params, jobs, tasks, ...)`: the jobs' members x tasks episodes in one `run_episodes`
-  call with a `PopulationPolicy`; returns one JobResult per job (fitness = that member's mean reward).
+- `play_cohort(engine, params, jobs, tasks, ...)`: the jobs' members x tasks episodes in one `run_episodes`
+  call with a `PopulationPolicy`; `run_cohort` summarises them as one JobResult per job (fitness = that
+  member's mean reward, as jobs.episode_job_fn computes it for one member).
 - `JobBatcher(batch_fn)`: the glue to the pool. The pool gives each worker thread one job at a time and stays
   as it is; a JobBatcher is a plain `job_fn(job, params)` that gathers the jobs its worker threads hold for
   the same weights (same dispatch version on the same replica) and runs them as ONE `batch_fn(jobs, params)`
@@ -70,22 +71,19 @@ def _member_result(results: Sequence[EpisodeResult], fitness: str, seconds: floa
     })
 
 
-def run_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig,
-               es_cfg: ESConfig, *, fitness: str = "binary", contraction: str = "select",
-               policy_kw: dict | None = None) -> list[JobResult]:
-    """Play `tasks` once per job's member, all members x tasks episodes in one batch; one JobResult per job.
+def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig,
+                es_cfg: ESConfig, *, contraction: str = "select",
+                policy_kw: dict | None = None) -> list[list[EpisodeResult]]:
+    """Play `tasks` once per job's member, all members x tasks episodes in one batch; episodes per job.
 
     The jobs must be of one version (same task batch and sampling seed). policy_kw: extra ModelPolicy options.
     """
-    if not jobs:
-        return []
     if es_cfg.noise != "lowrank":
         raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
-    if fitness not in ("binary", "partial"):
-        raise UserError(f"fitness={fitness!r} is not one of binary, partial")
+    if not jobs:
+        return []
     if len({(j.dispatch_version, j.task_batch_id, j.sampling_seed) for j in jobs}) != 1:
-        raise ValueError("run_cohort: the jobs are not of one version (task batch and sampling seed differ)")
-    t = time.monotonic()
+        raise ValueError("play_cohort: the jobs are not of one version (task batch and sampling seed differ)")
     n_tasks = len(tasks)
     population = LowRankPopulation.create(params, es_cfg, [j.member_seed for j in jobs],
                                           [member_sign(j, es_cfg) for j in jobs], rows_per_member=n_tasks,
@@ -93,9 +91,18 @@ def run_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backen
     policy = PopulationPolicy.from_config(engine, params, episode_cfg, population=population,
                                           tasks_per_member=n_tasks, **(policy_kw or {}))
     results = run_episodes(policy, list(tasks) * len(jobs), backend, episode_cfg, seed=jobs[0].sampling_seed)
+    return [results[i * n_tasks:(i + 1) * n_tasks] for i in range(len(jobs))]
+
+
+def run_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig,
+               es_cfg: ESConfig, *, fitness: str = "binary", **kw) -> list[JobResult]:
+    """play_cohort, summarised: one JobResult per job (fitness = its member's mean reward, or mean partial)."""
+    if fitness not in ("binary", "partial"):
+        raise UserError(f"fitness={fitness!r} is not one of binary, partial")
+    t = time.monotonic()
+    episodes = play_cohort(engine, params, jobs, tasks, backend, episode_cfg, es_cfg, **kw)
     seconds = time.monotonic() - t
-    return [_member_result(results[i * n_tasks:(i + 1) * n_tasks], fitness, seconds, len(jobs))
-            for i in range(len(jobs))]
+    return [_member_result(member, fitness, seconds, len(jobs)) for member in episodes]
 
 
 class _Group:
