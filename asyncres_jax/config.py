@@ -166,6 +166,7 @@ class EvalSection:
     val_tasks: int = opt(100, "validation tasks evaluated (first k of the split)")
     test_tasks: int = opt(300, "test tasks evaluated at the end (first k of the split)")
     seeds: list[int] = opt([42, 43, 44], "sampling seeds of held-out evaluation")
+    val_seeds: list[int] = opt([], "sampling seeds of the periodic validation (empty = eval.seeds)")
 
     def __post_init__(self):
         _positive("eval", "every", self.every, allow_zero=True)

@@ -17,9 +17,9 @@ Statistics, stated because the numbers are small:
 - `compare`: the paired difference on common (task, seed) episodes, a task-bootstrap CI of it, and a two-sided
   sign-flip permutation p-value over per-task differences.
 
-In training (`attach`), the validation split is evaluated after the drain of every `eval.every` updates (and
-once before the first update), the test split once at the end; results go to RUN_DIR/eval.jsonl (one summary
-per line) and RUN_DIR/evals/SPLIT_UPDATE.json (summary plus every episode).
+In training (`attach`), the validation split is evaluated after the drain of every `eval.every` updates, the
+test split before the first update (the base model) and after the last one, compared pairwise; results go to
+RUN_DIR/eval.jsonl (one summary per line) and RUN_DIR/evals/SPLIT_UPDATE.json (summary plus every episode).
 """
 
 from __future__ import annotations
@@ -255,37 +255,50 @@ def evaluate_params(cfg, model, params, split: str, n_tasks: int, backend, *, ou
 
 
 def attach(trainer) -> None:
-    """Validation before the first update and after every eval.every updates (drained), test at the end."""
+    """Evaluations of a training run, drained: before the first update the validation and test splits (the
+    base model), validation after every eval.every updates, and both splits after the last update; the final
+    test report carries the paired comparison with the base model's."""
     cfg = trainer.cfg
     if trainer.backend is None:  # the fake environment has no tasks to evaluate
         return
     run = trainer.run_dir
     done = {(e["split"], e["update"]) for e in read_evals(run)}
+    val, test = cfg.tasks.val_split, cfg.tasks.test_split
 
-    def evaluate_now(split: str, n: int) -> None:
+    def evaluate_now(split: str, n: int, seeds: Sequence[int]) -> None:
         version = trainer.store.version
-        if (split, version) in done:
+        if (split, version) in done or n <= 0:
             return
         from asyncres_jax.trainer import log
 
-        log(f"evaluating the {split} split ({n} tasks x {len(cfg.eval.seeds)} seeds) at update {version}")
+        log(f"evaluating the {split} split ({n} tasks x {len(seeds)} seeds) at update {version}")
         r = evaluate_params(cfg, trainer.model, trainer.store.params, split, n, trainer.backend,
-                            out_dir=run / EVAL_DIR, tag=f"{version:05d}")
+                            out_dir=run / EVAL_DIR, tag=f"{version:05d}", seeds=seeds)
         r.update(update=version, elapsed_seconds=trainer.elapsed(), source=str(run))
+        base = run / EVAL_DIR / f"{split}_00000.json"
+        if version > 0 and base.is_file():
+            r["compare"] = paired_difference(load_report(base)[1], [EpisodeOutcome(**e) for e in r["episodes_detail"]])
         write_eval(run, r)
         done.add((split, version))
         trainer.metrics.write_eval(r)
         log(format_report(r))
 
+    val_seeds = cfg.eval.val_seeds or cfg.eval.seeds
+
     def hook(t) -> None:
         v = t.store.version
         if cfg.eval.every and (v % cfg.eval.every == 0 or v >= cfg.es.updates):
-            evaluate_now(cfg.tasks.val_split, cfg.eval.val_tasks)
-        if v >= cfg.es.updates and cfg.eval.test_tasks > 0:
-            evaluate_now(cfg.tasks.test_split, cfg.eval.test_tasks)
+            evaluate_now(val, cfg.eval.val_tasks, val_seeds)
+        if v >= cfg.es.updates:
+            evaluate_now(test, cfg.eval.test_tasks, cfg.eval.seeds)
 
-    if cfg.eval.every and trainer.store.version == 0:
-        trainer.before_run_hooks.append(lambda t: evaluate_now(cfg.tasks.val_split, cfg.eval.val_tasks))
+    def before(t) -> None:
+        if t.store.version == 0:
+            if cfg.eval.every:
+                evaluate_now(val, cfg.eval.val_tasks, val_seeds)
+            evaluate_now(test, cfg.eval.test_tasks, cfg.eval.seeds)
+
+    trainer.before_run_hooks.append(before)
     trainer.drained_hooks.append(hook)
 
 
