@@ -44,12 +44,9 @@ def test_adding_leaves_does_not_shift_other_leaves_noise():
 
 def test_stable_hash_does_not_depend_on_the_python_process():
     code = "from asyncres_jax.es import stable_hash; print(stable_hash('layers/3/attn/q_proj/kernel'))"
-    outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={**os.environ, "PYTHONHASHSEED": str(h), "JAX_PLATFORMS": "cpu"}).stdout.strip()
-        for h in (1, 2)
-    }
-    assert outs == {str(es.stable_hash("layers/3/attn/q_proj/kernel"))}
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "JAX_PLATFORMS": "cpu"}  # Python's own hash() would change
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == str(es.stable_hash("layers/3/attn/q_proj/kernel"))
     assert 0 <= es.stable_hash("x") < 2**32 and es.stable_hash("a") != es.stable_hash("b")
 
 
