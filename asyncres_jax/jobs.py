@@ -100,21 +100,10 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
     Each replica gets its own generation engine, placed on the replica's sub-mesh (found from the params).
     policy_factory(engine, params, episode_cfg) -> Policy; default: rollout.episodes.ModelPolicy.from_config.
     """
-    from asyncres_jax.model import Model
-    from asyncres_jax.model.generate import Engine
     from asyncres_jax.rollout.episodes import ModelPolicy, format_transcript, run_episodes
 
     policy_factory = policy_factory or ModelPolicy.from_config
-    engines: dict[Any, Engine] = {}
-    lock = threading.Lock()
-
-    def engine_for(params) -> Engine:
-        mesh = _replica_mesh(params)
-        with lock:
-            if mesh not in engines:
-                replica_model = Model(model.config, None, model.tokenizer, mesh, model.source)
-                engines[mesh] = Engine(replica_model, context_limit=episode_cfg.context_limit)
-            return engines[mesh]
+    engine_for = engines_per_mesh(model, episode_cfg.context_limit)
 
     def job_fn(job: Job, params) -> JobResult:
         t = time.monotonic()
@@ -136,3 +125,21 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
             **({"transcript": format_transcript(results[0])} if job.member_index < 2 and results else {}),
         })
     return job_fn
+
+
+def engines_per_mesh(model, context_limit: int) -> Callable[[Any], Any]:
+    """engine_for(params): one generation engine per replica, placed on the sub-mesh the params live on."""
+    from asyncres_jax.model import Model
+    from asyncres_jax.model.generate import Engine
+
+    engines: dict[Any, Engine] = {}
+    lock = threading.Lock()
+
+    def engine_for(params) -> Engine:
+        mesh = _replica_mesh(params)
+        with lock:
+            if mesh not in engines:
+                engines[mesh] = Engine(Model(model.config, None, model.tokenizer, mesh, model.source),
+                                       context_limit=context_limit)
+            return engines[mesh]
+    return engine_for

@@ -34,11 +34,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from omegaconf import OmegaConf
 
-from asyncres_jax import es, metrics
+from asyncres_jax import distributed, es, metrics
 from asyncres_jax.checkpoint import Checkpointer, flatten, unflatten_like
 from asyncres_jax.config import TrainConfig, load_config, to_yaml
 from asyncres_jax.errors import UserError
-from asyncres_jax.jobs import FAKE, episode_job_fn, fake_job_fn
+from asyncres_jax.jobs import FAKE, engines_per_mesh, episode_job_fn, fake_job_fn, task_batch
 from asyncres_jax.mesh import make_mesh, param_shardings, replica_meshes
 from asyncres_jax.rollout import Cohort, Coordinator, ParamStore, PoolConfig, Replica, RolloutPool
 
@@ -50,6 +50,8 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "tran
 
 
 def log(msg: str) -> None:
+    if not distributed.is_main_process():  # one log per run, from process 0
+        return
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
@@ -226,10 +228,9 @@ def pool_config(cfg: TrainConfig, num_workers: int) -> PoolConfig:
 def check_supported(cfg: TrainConfig) -> None:
     if cfg.algo != "es":
         raise UserError(f"algo={cfg.algo}: only algo=es is available in this version of the training program")
+    distributed.check_schedule(cfg.pool.mode)
     if cfg.es.antithetic and cfg.pool.mode != "sync":
         raise UserError("es.antithetic=true needs pool.mode=sync: a pair's two results must land in one cohort")
-    if cfg.es.batched_population:
-        raise UserError("es.batched_population=true is not wired into the training program yet; set it to false")
 
 
 def on_mesh(tree, mesh):
@@ -270,10 +271,10 @@ class ESTrainer:
         self.before_run_hooks: list[Callable[["ESTrainer"], None]] = []  # e.g. validation of the base model
         fake = cfg.tasks.dataset == FAKE
         # Everything that can be wrong with the input fails here, before the run directory is touched.
-        dataset = None if fake else ensure_tasks(cfg)
+        dataset = None if fake else pathlib.Path(distributed.on_main(lambda: str(ensure_tasks(cfg))))
         self.model = load_policy_model(cfg.model.name, cfg.model.dtype, make_mesh(cfg.mesh, devices))
         self.mesh = self.model.mesh
-        continuing = prepare_run_dir(cfg, resume, overwrite)
+        continuing = distributed.on_main(prepare_run_dir, cfg, resume, overwrite)  # process 0 writes RUN_DIR
         self.es_cfg = es_config(cfg)
 
         # Learner: float32 masters on the whole mesh; the store applies the ES step and keeps the update log.
@@ -290,12 +291,16 @@ class ESTrainer:
             metrics_step = restored
         elif resume:
             raise UserError(f"--resume: {self.run_dir} has no readable checkpoint; drop --resume to start over")
-        self.metrics = metrics.MetricsWriter(self.run_dir, metrics_step, total=cfg.es.updates,
+        main = distributed.is_main_process()  # processes > 0 keep their own record in RUN_DIR/processes/I
+        self.metrics = metrics.MetricsWriter(distributed.process_dir(self.run_dir), metrics_step, total=cfg.es.updates,
+                                             tensorboard=main, progress=main,
                                              initial=self.store.version)
-        write_manifest(self.run_dir, cfg, self.mesh, argv, self.store.version if continuing else None)
+        if main:
+            write_manifest(self.run_dir, cfg, self.mesh, argv, self.store.version if continuing else None)
 
         if job_fn is None:
             job_fn = fake_job_fn(self.model.config, self.es_cfg) if fake else self._episode_job(dataset)
+        job_fn = distributed.share_results(job_fn)  # across processes: each job runs in one, all get its result
         self.pool = RolloutPool(self.coordinator, self.store, job_fn, replicas=replicas,
                                 workers_per_replica=cfg.pool.workers_per_replica, on_commit=self._on_commit)
 
@@ -323,7 +328,7 @@ class ESTrainer:
 
         dtype = jnp.dtype(self.cfg.model.rollout_dtype)
         out = []
-        for i, sub in enumerate(replica_meshes(self.mesh)):
+        for i, sub in distributed.local_replica_meshes(self.mesh):  # all of them in a single process
             shardings = param_shardings(self.model.params, self.model.config, sub)
 
             def place(p, shardings=shardings):
@@ -347,10 +352,25 @@ class ESTrainer:
 
         from asyncres_jax.rollout.episodes import ModelPolicy
 
-        policy = functools.partial(ModelPolicy.from_config, first_reply_prefix=self.cfg.episode.first_reply_prefix)
+        policy_kw = {"first_reply_prefix": self.cfg.episode.first_reply_prefix}
+        if self.cfg.es.batched_population:
+            return self._cohort_job(tasks, episode_cfg, policy_kw)
+        policy = functools.partial(ModelPolicy.from_config, **policy_kw)
         return episode_job_fn(self.model, tasks, self.backend, episode_cfg, self.es_cfg, global_seed=self.cfg.seed,
                               tasks_per_member=self.cfg.es.tasks_per_member, fitness=self.cfg.episode.fitness,
                               policy_factory=policy)
+
+    def _cohort_job(self, tasks, episode_cfg, policy_kw: dict):
+        """Low-rank ES with the members a replica's workers hold played as one batch over one copy of W."""
+        from asyncres_jax.rollout.cohort import JobBatcher, run_cohort
+
+        engine_for, cfg = engines_per_mesh(self.model, episode_cfg.context_limit), self.cfg
+
+        def batch_fn(jobs, params):
+            batch = task_batch(tasks, cfg.seed, jobs[0].dispatch_version, cfg.es.tasks_per_member)
+            return run_cohort(engine_for(params), params, jobs, batch, self.backend, episode_cfg, self.es_cfg,
+                              fitness=cfg.episode.fitness, policy_kw=policy_kw)
+        return JobBatcher(batch_fn, max_batch=cfg.pool.workers_per_replica)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -518,7 +538,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ha
     try:
         from asyncres_jax.evaluate import attach
 
-        attach(trainer)  # validation every eval.every updates, test at the end
+        if distributed.num_processes() == 1:
+            attach(trainer)  # validation every eval.every updates, test at the end
+        else:
+            log("several processes: no evaluation during training; evaluate the checkpoints with "
+                "python -m asyncres_jax.evaluate --checkpoint RUN_DIR")
         if handle_signals:
             with _Signals(trainer):
                 trainer.run()

@@ -1,6 +1,8 @@
 """The train CLI's bad input: each mistake is one line on stderr and exit code 2, before anything is written;
 an existing run is never overwritten without --overwrite, and a folder that is not a run is never deleted."""
 
+import pathlib
+
 import pytest
 
 from asyncres_jax import train
@@ -8,8 +10,9 @@ from asyncres_jax.config import load_config
 from asyncres_jax.errors import UserError
 from asyncres_jax.trainer import CONFIG_FILE, prepare_run_dir
 
-pytestmark = pytest.mark.xdist_group("train")
+pytestmark = pytest.mark.xdist_group("train_cli")
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 FAKE = ["model.name=tiny", "tasks.dataset=fake", "es.population=8", "es.updates=1"]
 
 
@@ -72,3 +75,22 @@ def test_help_config_documents_every_option(capsys):
     out = capsys.readouterr().out
     for key in ("es.population = 30", "pool.max_staleness = 1", "checkpoint.every", "tasks.dataset"):
         assert key in out
+
+
+def test_every_shipped_config_is_valid_for_its_program():
+    import glob
+
+    from asyncres_jax.mesh import parse_mesh
+    from asyncres_jax.trainer import check_supported, es_config, pool_config
+
+    for path in sorted(glob.glob(str(REPO / "configs" / "*.yaml"))):
+        cfg = load_config(path)
+        if cfg.algo == "es":
+            check_supported(cfg)
+            es_config(cfg)
+            data, _ = parse_mesh(cfg.mesh)
+            pool_config(cfg, data * cfg.pool.workers_per_replica)
+    cpu = load_config(REPO / "configs" / "smollm2_cpu.yaml")
+    assert (cpu.model.name, cpu.sandbox.backend, cpu.pool.mode, cpu.pool.max_staleness) == (
+        "smollm2-135m-instruct", "bwrap", "async", 1)
+    assert cpu.tasks.generate_n > 0  # generated offline on the first run

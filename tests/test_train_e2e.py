@@ -12,7 +12,7 @@ from asyncres_jax.config import load_config
 from asyncres_jax.jobs import fake_tokens
 from asyncres_jax.trainer import ESTrainer, export
 
-pytestmark = pytest.mark.xdist_group("train")
+pytestmark = pytest.mark.xdist_group("train_e2e")
 
 
 def config(run_dir, *more):

@@ -11,7 +11,7 @@ from asyncres_jax import metrics
 from asyncres_jax.config import load_config
 from asyncres_jax.trainer import ESTrainer
 
-pytestmark = pytest.mark.xdist_group("train")
+pytestmark = pytest.mark.xdist_group("train_resume")
 
 
 def config(run_dir, updates, optimizer):

@@ -14,17 +14,15 @@ import time
 import pytest
 
 from asyncres_jax import metrics
-from asyncres_jax.envs.bwrap import host_problem
+from bwrap_support import bwrap_or_skip
 
-pytestmark = [pytest.mark.xdist_group("train"), pytest.mark.bwrap, pytest.mark.slow]
+pytestmark = [pytest.mark.xdist_group("train_signal"), pytest.mark.bwrap, pytest.mark.slow]
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
 def need_bwrap():
-    problem = host_problem(430_000 if os.geteuid() == 0 else os.geteuid())
-    if problem:
-        pytest.skip(problem)
+    bwrap_or_skip()
 
 
 @pytest.fixture
