@@ -4,6 +4,7 @@
     python -m asyncres_jax.train --config configs/qwen2_5_7b_async1.yaml --mesh 4x1
     python -m asyncres_jax.train --config C.yaml --cpu-devices 8 --mesh 4x2   # simulate 8 devices on a CPU
     python -m asyncres_jax.train --config C.yaml --resume                      # continue RUN_DIR (also automatic)
+    python -m asyncres_jax.train --config C.yaml --coordinator HOST:PORT --num-processes P --process-id I
     python -m asyncres_jax.train export --checkpoint RUN_DIR --out HF_DIR     # weights as HF safetensors
     python -m asyncres_jax.train --help-config                                 # every option, documented
 
@@ -48,6 +49,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cpu-devices", type=int, metavar="N",
                    help="simulate N CPU devices (sets XLA_FLAGS before JAX starts)")
     p.add_argument("--resume", action="store_true", help="continue the run in run_dir (an error if there is none)")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="several processes (hosts): process 0's address for jax.distributed (docs/scaling.md); "
+                        "default: JAX_COORDINATOR_ADDRESS, or the SLURM/OpenMPI launcher's")
+    p.add_argument("--num-processes", type=int, metavar="P", help="processes in the run (JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, metavar="I", help="this process's index 0..P-1 (JAX_PROCESS_ID)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run in run_dir and start afresh")
     p.add_argument("--help-config", action="store_true", help="list every config option with its default and doc")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -84,6 +90,9 @@ def _main(argv: list[str]) -> int:
         return 0
     if ns.command == "train":
         _setup_devices(ns.cpu_devices)
+        from asyncres_jax import distributed
+
+        distributed.initialize(distributed.resolve(ns.coordinator, ns.num_processes, ns.process_id))
     import jax  # noqa: F401 - after the device flags
 
     _compilation_cache()
