@@ -153,6 +153,8 @@ def summarize(results: dict, population: int, rank: int) -> dict:
             "fullrank_over_noise_draws": ratio("fullrank", "noise_draws"),
             "fullrank_over_lowrank": ratio("fullrank", "lowrank"),
             "fullrank_extra_memory_over_params": results.get("fullrank", {}).get("peak_extra_over_params"),
+            "fullrank_donate_extra_memory_over_params":
+                results.get("fullrank_donate", {}).get("peak_extra_over_params"),
         },
         "targets": TARGETS,
     }
