@@ -190,6 +190,14 @@ def local_replica_meshes(mesh) -> list[tuple[int, Any]]:
     return [(i, sub) for i, sub in enumerate(replica_meshes(mesh)) if is_local(sub)]
 
 
+def check_config(cfg) -> None:
+    """What a multi-process run supports: ES in a barrier schedule."""
+    if num_processes() > 1 and cfg.algo != "es":
+        raise UserError(f"algo={cfg.algo} runs in one process; drop --num-processes/--coordinator (or the "
+                        "launcher's) for it")
+    check_schedule(cfg.pool.mode)
+
+
 def check_schedule(mode: str) -> None:
     if num_processes() > 1 and mode == "async":
         raise UserError("pool.mode=async across processes: its cohorts depend on when results arrive in each "

@@ -88,10 +88,10 @@ def _main(argv: list[str]) -> int:
 
         print("\n".join(describe()))
         return 0
+    from asyncres_jax import distributed
+
     if ns.command == "train":
         _setup_devices(ns.cpu_devices)
-        from asyncres_jax import distributed
-
         distributed.initialize(distributed.resolve(ns.coordinator, ns.num_processes, ns.process_id))
     import jax  # noqa: F401 - after the device flags
 
@@ -105,6 +105,7 @@ def _main(argv: list[str]) -> int:
 
     overrides = list(ns.overrides) + ([f"mesh={ns.mesh}"] if ns.mesh else [])
     cfg = load_config(ns.config, overrides)
+    distributed.check_config(cfg)
     return trainer.train(cfg, resume=ns.resume, overwrite=ns.overwrite, handle_signals=True, argv=argv)
 
 
