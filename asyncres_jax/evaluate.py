@@ -169,14 +169,18 @@ def filter_tasks(tasks: Sequence[Any], families: Sequence[str] = (), difficultie
 
 
 def run_evaluation(policy, tasks: Sequence[Any], backend, episode_cfg, seeds: Sequence[int], *,
-                   batch_size: int = 64, transcripts: pathlib.Path | None = None,
-                   samples: int = 3) -> list[EpisodeOutcome]:
+                   batch_size: int = 64, transcripts: pathlib.Path | None = None, samples: int = 3,
+                   progress: bool = True) -> list[EpisodeOutcome]:
     """Play every task once per seed (batches of `batch_size` episodes); optionally write a few transcripts.
 
     The sampling seed of a batch derives from the evaluation seed and the batch's first task index."""
+    from tqdm import tqdm
+
     from asyncres_jax.rollout.episodes import format_transcript, run_episodes
 
     out, texts = [], []
+    bar = tqdm(total=len(seeds) * len(tasks), desc="evaluating", unit="episode", file=sys.stderr, leave=False,
+               disable=not progress, ascii=not sys.stderr.isatty())
     for s in seeds:
         for i in range(0, len(tasks), batch_size):
             chunk = tasks[i:i + batch_size]
@@ -186,6 +190,8 @@ def run_evaluation(policy, tasks: Sequence[Any], backend, episode_cfg, seeds: Se
                                           float(r.partial), r.turns, tokens, r.end))
                 if len(texts) < samples:
                     texts.append(format_transcript(r))
+            bar.update(len(chunk))
+    bar.close()
     if transcripts is not None and texts:
         transcripts.parent.mkdir(parents=True, exist_ok=True)
         transcripts.write_text("\n\n".join(texts) + "\n")
