@@ -133,6 +133,15 @@ def _take_rows(cache, rows_idx):
     return decoder.take_rows(cache, rows_idx)
 
 
+def _perturbation_rows(perturbation, rows_idx):
+    """The perturbation of the cache's batch rows (issue 5, population batching). A population perturbation
+    (es/population.py) holds one entry per conversation row, and the cache's rows are those rows padded to a
+    bucket, or a decode's working subset: re-index it like the cache. Others pass through unchanged."""
+    if perturbation is None or not hasattr(perturbation, "take_rows"):
+        return perturbation
+    return perturbation.take_rows(np.asarray(rows_idx, np.int32))
+
+
 @functools.partial(jax.jit, donate_argnames=("master",))
 def _put_rows(master, work, dest_idx):
     """master[dest_idx[w]] = work[w]; dest_idx out of range (padding rows) is dropped."""
@@ -492,7 +501,7 @@ class Engine:
                 params, work_cache, self._put(work_kv, P("data")), self._put(tok, P("data")),
                 self._put(pos, P("data")), self._put(drawn, P("data")), self._put(bud, P("data")),
                 self._put(done, P("data")), self._put(rid, P("data")), base_key, jnp.int32(length),
-                jnp.int32(chunk), temperature, top_p, perturbation,
+                jnp.int32(chunk), temperature, top_p, _perturbation_rows(perturbation, np.maximum(work_map, 0)),
                 cfg=self.cfg, mode=(greedy, top_k, use_top_p), chunk=chunk, eos=self.eos_ids)
             out_tok, out_lp, steps = np.asarray(out_tok), np.asarray(out_lp), int(steps)
             work_kv = np.array(kv_dev)
@@ -631,11 +640,12 @@ class Engine:
         kv_valid = kv_valid.copy()
         kv_valid[:, L:L + block] = valid
         kv_dev = self._put(kv_valid, P("data"))
+        rows_pert = _perturbation_rows(perturbation, np.where(np.arange(bb) < n, np.arange(bb), 0))  # padding: row 0
         step = prefill_chunk(block)
         for c0 in range(0, block, step):
             c1 = c0 + step
             cache = _prefill(params, cache, kv_dev, self._put(tokens[:, c0:c1], P("data")),
-                             self._put(positions[:, c0:c1], P("data")), jnp.int32(L + c0), perturbation,
+                             self._put(positions[:, c0:c1], P("data")), jnp.int32(L + c0), rows_pert,
                              cfg=self.cfg)
         n_cached = np.asarray([len(r.tokens) - 1 for r in conv.rows], np.int64)
         return dataclasses.replace(conv, cache=cache, kv_valid=kv_valid, n_cached=n_cached, length=L + block)

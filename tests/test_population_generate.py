@@ -1,0 +1,111 @@
+"""Population batching through the generation engine and the episode runner: a mixed batch of low-rank members
+generates, row by row, what each member's materialised model generates on its own (greedy), also after rows
+leave the batch; a cohort's members x tasks episodes in one batch are each member's own episodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncres_jax import es
+from asyncres_jax.es.population import LowRankPopulation
+from asyncres_jax.model.generate import Engine
+from asyncres_jax.model.tiny import tiny_model
+from asyncres_jax.rollout.cohort import play_cohort, run_cohort
+from asyncres_jax.rollout.coordinator import Job
+from asyncres_jax.rollout.episodes import EpisodeConfig, ModelPolicy, run_episodes
+from test_episodes import FakeBackend, tasks
+
+# One config for every test here (one compiled noise program); members differ visibly at this sigma.
+ES = es.ESConfig(population=4, sigma=0.05, noise="lowrank", rank=2, antithetic=True)
+SEEDS = [es.member_seed(5, 0, k) for k in range(2)]
+# (seed, sign) of members 0..2: an antithetic pair on seed 0, then seed 1
+MEMBERS = [(SEEDS[0], 1), (SEEDS[0], -1), (SEEDS[1], 1)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, context_limit=2048)
+
+
+@pytest.fixture(scope="module")
+def materialised(model):
+    return [es.perturb(model.params, s, ES, sign=g) for s, g in MEMBERS]
+
+
+def test_mixed_batch_greedy_generation_is_each_members_own_even_as_rows_leave(model, engine, materialised):
+    prompts = [engine.encode(t) for t in ("list the files", "hi", "count the lines and sort them")]
+    # (member, prompt) per row, mixed; 5 rows fill a bucket of 8, so the padding rows are mapped too
+    rows = [(2, 0), (0, 1), (1, 0), (0, 2), (2, 1)]
+    pop = LowRankPopulation.create(model.params, ES, [s for s, _ in MEMBERS], [g for _, g in MEMBERS])
+    pop = pop.take_rows([m for m, _ in rows])
+    observation = engine.encode("ok then")
+    conv = engine.start_tokens(model.params, [prompts[p] for _, p in rows], seed=0, perturbation=pop)
+    conv, _ = engine.generate(model.params, conv, 8, perturbation=pop)
+    leave = {1, 3}  # two rows leave; the rest get an observation and a second reply
+    conv = engine.extend_tokens(conv, [None if b in leave else observation for b in range(len(rows))])
+    kept = [b for b in range(len(rows)) if b not in leave]
+    conv, _ = engine.generate(model.params, conv, 8, perturbation=pop.take_rows(kept))
+    batched = dict(zip(kept, conv.tokens))
+
+    outputs = {}
+    for m in range(len(MEMBERS)):  # each member alone, on its materialised weights, same turns
+        mine = [b for b, (mm, _) in enumerate(rows) if mm == m]
+        own = engine.start_tokens(materialised[m], [prompts[rows[b][1]] for b in mine], seed=0)
+        own, _ = engine.generate(materialised[m], own, 8)
+        first = dict(zip(mine, own.tokens))
+        still = [b for b in mine if b not in leave]
+        if still:
+            own = engine.extend_tokens(own, [None if b in leave else observation for b in mine])
+            own, _ = engine.generate(materialised[m], own, 8)
+            first.update(zip(still, own.tokens))
+        outputs.update(first)
+    for b in kept:
+        np.testing.assert_array_equal(batched[b], outputs[b], err_msg=f"row {b} (member, prompt) = {rows[b]}")
+    replies = {m: [outputs[b][len(prompts[p]):].tolist() for b, (mm, p) in enumerate(rows) if mm == m and p == 0]
+               for m in (1, 2)}
+    assert replies[1] != replies[2]  # members really generate different tokens
+
+
+def same_episode(a, b) -> bool:
+    return a.transcript == b.transcript and np.array_equal(a.tokens.ids, b.tokens.ids) and a.turns == b.turns
+
+
+PREFIX = dict(first_reply_prefix="<command>")  # so the random model's first reply runs as a command
+
+
+def test_a_cohort_batch_plays_each_members_own_episodes(model, engine, materialised):
+    cfg = EpisodeConfig(max_turns=2, max_new_tokens=6, temperature=0.0)
+    jobs = [Job(i, 3, i, s, 0, 17) for i, (s, _) in enumerate(MEMBERS)]  # member index 1 is the minus side
+    batch = tasks(2)
+    cohort = play_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES, policy_kw=PREFIX)
+    assert [len(m) for m in cohort] == [2, 2, 2]
+    for i in range(len(MEMBERS)):
+        policy = ModelPolicy.from_config(engine, materialised[i], cfg, **PREFIX)
+        alone = run_episodes(policy, batch, FakeBackend(), cfg, seed=17)
+        for together, own in zip(cohort[i], alone):
+            assert same_episode(together, own), (i, together.transcript, own.transcript)
+    assert not same_episode(cohort[1][0], cohort[2][0])  # members really play differently
+
+    results = run_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES, policy_kw=PREFIX)
+    for member, r in zip(cohort, results):
+        assert r.fitness == np.mean([e.reward for e in member]) and r.stats["batch_members"] == 3
+        assert r.stats["tokens"] == sum(int(e.tokens.generated_mask.sum()) for e in member)
+
+
+def test_cohort_members_share_the_sampling_randomness_of_each_task(model, engine):
+    """Common random numbers: members with the same noise play identical sampled episodes, and each task is
+    sampled as when the member plays alone, while different tasks get different randomness."""
+    cfg = EpisodeConfig(max_turns=1, max_new_tokens=8, temperature=1.0)
+    twins = [Job(0, 0, 0, SEEDS[1], 0, 23), Job(2, 0, 2, SEEDS[1], 0, 23)]
+    batch = tasks(2)  # same instruction: only the sampling randomness can tell the tasks apart
+    together = play_cohort(engine, model.params, twins, batch, FakeBackend(), cfg, ES, policy_kw=PREFIX)
+    alone = play_cohort(engine, model.params, twins[:1], batch, FakeBackend(), cfg, ES, policy_kw=PREFIX)
+    for j in range(2):
+        assert same_episode(together[0][j], together[1][j]) and same_episode(together[0][j], alone[0][j])
+    assert not same_episode(together[0][0], together[0][1])
