@@ -20,6 +20,7 @@ BENCHMARKS = {
     "sandbox": "sandbox start + command + teardown latency and parallel throughput",
     "docker": "docker sandbox latency and image build time",
     "episodes": "throughput of parallel scripted episodes",
+    "grpo": "memory and time of one GRPO learner step (SmolLM2), XLA's estimate for Qwen2.5-7B",
 }
 
 

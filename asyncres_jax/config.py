@@ -149,6 +149,7 @@ class GRPOSection:
     group_size: int = opt(16, "episodes per task (G)")
     epochs: int = opt(2, "passes over each batch")
     minibatch_size: int = opt(64, "episodes per gradient step")
+    micro_batch_size: int = opt(8, "sequences per forward/backward pass; a minibatch's gradients accumulate")
     lr: float = opt(1e-6, "AdamW learning rate")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     grad_clip: float = opt(1.0, "global gradient-norm clip")
@@ -156,7 +157,8 @@ class GRPOSection:
     kl_coef: float = opt(1e-3, "k3 KL penalty coefficient against the initial model")
 
     def __post_init__(self):
-        for name in ("steps", "prompts_per_step", "group_size", "epochs", "minibatch_size", "lr", "grad_clip"):
+        for name in ("steps", "prompts_per_step", "group_size", "epochs", "minibatch_size", "micro_batch_size", "lr",
+                     "grad_clip"):
             _positive("grpo", name, getattr(self, name))
 
 

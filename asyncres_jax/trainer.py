@@ -332,7 +332,7 @@ class ESTrainer:
             shardings = param_shardings(self.model.params, self.model.config, sub)
 
             def place(p, shardings=shardings):
-                return jax.tree.map(lambda x, s: to_submesh(x.astype(dtype), s), p, shardings)
+                return jax.tree.map(lambda x, s: to_submesh(x, s).astype(dtype), p, shardings)  # local ops only
             out.append(Replica(i, sub, place=place))
         return out
 
@@ -538,11 +538,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ha
     try:
         from asyncres_jax.evaluate import attach
 
-        if distributed.num_processes() == 1:
-            attach(trainer)  # validation every eval.every updates, test at the end
-        else:
-            log("several processes: no evaluation during training; evaluate the checkpoints with "
-                "python -m asyncres_jax.evaluate --checkpoint RUN_DIR")
+        distributed.attach_on_main(trainer, attach)  # validation every eval.every updates, test at the end
         if handle_signals:
             with _Signals(trainer):
                 trainer.run()

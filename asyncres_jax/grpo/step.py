@@ -70,7 +70,7 @@ class Learner:
         self.params = jax.tree.map(jnp.copy, place(params))
         self.ref_params = jax.tree.map(jnp.copy, place(params if ref_params is None else ref_params))
         self.tx = make_optimizer(hp)
-        self.opt_state = jax.jit(self.tx.init)(self.params)
+        self.opt_state = self.place_state(jax.jit(self.tx.init)(self.params))
         self.steps = 0  # optimiser steps taken
         constrain = ((lambda t: t) if mesh is None
                      else functools.partial(jax.lax.with_sharding_constraint, shardings=self.shardings))
@@ -97,6 +97,17 @@ class Learner:
         self._apply = jax.jit(apply_fn, donate_argnums=(0, 1))
 
     # -- placement -----------------------------------------------------------------------------------
+
+    def place_state(self, opt_state):
+        """Adam's step counters come out of init on one device; replicate them over the mesh like the rest."""
+        if self.mesh is None:
+            return opt_state
+        everywhere = NamedSharding(self.mesh, P())
+
+        def place(x):
+            on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
+            return x if on_mesh else jax.device_put(x, everywhere)
+        return jax.tree.map(place, opt_state)
 
     def _put(self, x, spec):
         x = np.asarray(x)

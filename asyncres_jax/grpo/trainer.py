@@ -178,7 +178,7 @@ class GRPOTrainer:
             return None
         meta, arrays = restored.meta, restored.arrays
         self.learner.params = unflatten_like(self.learner.params, arrays, "params")
-        self.learner.opt_state = unflatten_like(self.learner.opt_state, arrays, "opt")
+        self.learner.opt_state = self.learner.place_state(unflatten_like(self.learner.opt_state, arrays, "opt"))
         self.learner.steps = int(meta["optimizer_steps"])
         self.step, self.ckpt_step, self.elapsed0 = int(meta["step"]), restored.step, float(meta["elapsed_seconds"])
         self.common.log(f"resuming {self.run_dir} at GRPO step {self.step} (checkpoint {restored.step})")
