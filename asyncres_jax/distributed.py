@@ -13,8 +13,8 @@ through the jax.distributed key-value store; every process then commits the same
 results by arrival time, which differs between processes, so it is refused here (rollout replicas on other
 machines are Ray actors instead: docs/scaling.md).
 
-Process 0 alone logs, writes the run directory's manifest and metrics and prepares the run directory; Orbax
-writes checkpoints of the sharded masters from all processes (each its own shards) into one shared folder.
+Process 0 alone logs, evaluates (on its first replica), writes the run directory's manifest and metrics and
+prepares the run directory; Orbax writes checkpoints of the sharded masters from all processes (each its own shards) into one shared folder.
 """
 
 from __future__ import annotations
@@ -278,6 +278,50 @@ def share_results(job_fn: Callable, timeout_s: float = WAIT_S) -> Callable:
         got = json.loads(_client().blocking_key_value_get(key, int(timeout_s * 1000)))
         return JobResult(got["fitness"], got["stats"])
     return shared
+
+
+class _Replica0View:
+    """The trainer as evaluation sees it on process 0: its first replica's model and the masters placed there
+    (float32, as in one process; no copy: that replica's devices hold the shards), so evaluating runs no
+    computation over the global mesh, which the other processes would have to join."""
+
+    def __init__(self, trainer):
+        from asyncres_jax.mesh import param_shardings
+        from asyncres_jax.model import Model
+
+        self._trainer = trainer
+        mesh = trainer.pool.replicas[0].mesh
+        m = trainer.model
+        self.model = Model(m.config, None, m.tokenizer, mesh, m.source)
+        self._shardings = param_shardings(m.params, m.config, mesh)
+        self.store = self  # evaluation reads trainer.store.version and trainer.store.params
+
+    def __getattr__(self, name):
+        return getattr(self._trainer, name)
+
+    @property
+    def version(self) -> int:
+        return self._trainer.store.version
+
+    @property
+    def params(self):
+        import jax
+
+        from asyncres_jax.trainer import to_submesh
+
+        return jax.tree.map(to_submesh, self._trainer.store.params, self._shardings)
+
+
+def attach_on_main(trainer, attach: Callable[[Any], None]) -> None:
+    """attach(trainer)'s evaluation hooks on process 0 only, over its first replica; every process then meets
+    the others after each evaluation point, so none races ahead to the next checkpoint while process 0 plays."""
+    if num_processes() == 1:
+        attach(trainer)
+        return
+    if is_main_process():
+        attach(_Replica0View(trainer))
+    trainer.before_run_hooks.append(lambda t: barrier("evaluated", WAIT_S))
+    trainer.drained_hooks.append(lambda t: barrier("evaluated", WAIT_S))
 
 
 def shutdown() -> None:

@@ -1,6 +1,7 @@
 """Two JAX processes (4 simulated CPU devices each, gloo collectives, a localhost coordinator) train as one:
-2 sync ES updates over a 4x2 global mesh with the fake environment end with exactly the parameters of the
-same run in one process on 8 devices. Plus the cluster flags and launcher variables, and their errors."""
+2 sync ES updates over a 4x2 global mesh with the fake environment (the first in one session, the second after
+a resume from the processes' sharded checkpoint) end with exactly the parameters of the same run in one
+process on 8 devices. Plus the cluster flags and launcher variables, and their errors."""
 
 import json
 import os
@@ -23,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "jax"
 TIMEOUT_S = 480  # the whole two-run scenario on a loaded CI machine; ~1 minute idle
 RUN = ["--mesh", "4x2", "model.name=tiny", "tasks.dataset=fake", "es.population=8", "es.sigma=0.02",
-       "es.alpha=0.02", "pool.mode=sync", "es.updates=2", "checkpoint.every=2"]
+       "es.alpha=0.02", "pool.mode=sync", "checkpoint.keep=3"]
 
 
 def _gloo_available() -> bool:
@@ -70,33 +71,48 @@ def _final_params(run_dir: pathlib.Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in flatten(params, "params").items()}
 
 
+def _finish(procs: dict[str, subprocess.Popen], tmp: pathlib.Path, end: float) -> dict[str, str]:
+    """Wait (until `end`) for every process to exit 0; returns their logs."""
+    codes = {}
+    for name, p in procs.items():
+        try:
+            codes[name] = p.wait(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[name] = None
+    logs = {name: (tmp / f"{name}.log").read_text() for name in procs}
+    for name, code in codes.items():
+        tail = "\n".join(line for line in logs[name].splitlines() if "[Gloo]" not in line)[-3000:]
+        assert code == 0, f"{name} exited with {code} (None: still running after {TIMEOUT_S}s):\n{tail}"
+    return logs
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One process on 8 devices: 2 updates. Two processes on 4 each: 1 update, checkpoint, then a second
+    session resumes from that checkpoint (restored into the global shardings) for the 2nd update."""
     if not _gloo_available():
         pytest.skip("this jaxlib has no gloo CPU collectives: multi-process CPU runs are impossible here")
     tmp = tmp_path_factory.mktemp("distributed")
     single, multi = tmp / "single", tmp / "multi"
-    port = _free_port()
-    cluster = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    procs = []
-    try:
-        procs.append(_start(["--cpu-devices", "8", *RUN, f"run_dir={single}"], tmp / "single.log"))
+    end = time.monotonic() + TIMEOUT_S
+    procs: dict[str, subprocess.Popen] = {}
+
+    def cluster(session: str, *more: str) -> None:
+        port = _free_port()
         for i in (0, 1):
-            procs.append(_start(["--cpu-devices", "4", *RUN, f"run_dir={multi}", *cluster, "--process-id", str(i)],
-                                tmp / f"process{i}.log"))
-        end = time.monotonic() + TIMEOUT_S
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(1.0, end - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+            name = f"{session}{i}"
+            procs[name] = _start(["--cpu-devices", "4", *RUN, f"run_dir={multi}", "checkpoint.every=1", *more,
+                                  "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                                  str(i)], tmp / f"{name}.log")
+    try:
+        procs["single"] = _start(["--cpu-devices", "8", *RUN, f"run_dir={single}", "es.updates=2"],
+                                 tmp / "single.log")
+        cluster("first", "es.updates=1")
+        logs = _finish({k: procs[k] for k in ("first0", "first1")}, tmp, end)
+        cluster("resumed", "es.updates=2", "--resume")
+        logs |= _finish(procs, tmp, end)
     finally:
-        _kill(procs)
-    logs = {name: (tmp / f"{name}.log").read_text() for name in ("single", "process0", "process1")}
-    for (name, text), code in zip(logs.items(), codes):
-        tail = "\n".join(line for line in text.splitlines() if "[Gloo]" not in line)[-3000:]
-        assert code == 0, f"{name} exited with {code} (None: still running after {TIMEOUT_S}s):\n{tail}"
+        _kill(list(procs.values()))
     return {"single": single, "multi": multi, "logs": logs}
 
 
@@ -128,16 +144,22 @@ def test_same_cohorts_and_fitness_in_both_runs(runs):
 
 
 def test_process_zero_alone_writes_the_run_directory_and_logs(runs):
-    multi = runs["multi"]
+    multi, logs = runs["multi"], runs["logs"]
     manifest = json.loads((multi / "manifest.json").read_text())
-    assert len(manifest["sessions"]) == 1 and len(manifest["sessions"][0]["devices"]) == 8
-    assert "update 2/2" in runs["logs"]["process0"] and "update 2/2" not in runs["logs"]["process1"]
-    assert "2 replicas x 1 workers" in runs["logs"]["process0"]  # each process drives its own 2 of the 4 rows
+    assert [s["resumed_at_update"] for s in manifest["sessions"]] == [None, 1]
+    assert all(len(s["devices"]) == 8 for s in manifest["sessions"])
+    assert "update 1/1" in logs["first0"] and "update 2/2" in logs["resumed0"] and "resuming" in logs["resumed0"]
+    assert not any(word in logs[name] for word in ("update 1/1", "update 2/2", "resuming")
+                   for name in ("first1", "resumed1"))
+    assert "2 replicas x 1 workers" in logs["first0"]  # each process drives its own 2 of the 4 rows
 
 
 def test_each_process_checkpoints_its_own_shards(runs):
-    arrays = runs["multi"] / "checkpoints" / "1" / "arrays"
-    assert (arrays / "ocdbt.process_0").is_dir() and (arrays / "ocdbt.process_1").is_dir()
+    checkpoints = runs["multi"] / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2"]
+    for step in ("1", "2"):
+        arrays = checkpoints / step / "arrays"
+        assert (arrays / "ocdbt.process_0").is_dir() and (arrays / "ocdbt.process_1").is_dir()
 
 
 # ------------------------------------------------------------------------------------------- cluster spec
@@ -206,3 +228,32 @@ def test_async_schedule_and_grpo_are_refused_across_processes(monkeypatch):
     with pytest.raises(UserError, match="algo=grpo runs in one process"):
         distributed.check_config(grpo)
     distributed.check_config(load_config(None, ["pool.mode=sync"]))
+
+
+def test_process_zero_evaluates_on_its_first_replica(tmp_path, monkeypatch):
+    """Evaluation sees replica 0's model and the float32 masters placed there (no global computation)."""
+    from asyncres_jax.trainer import ESTrainer
+
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "mesh=4x2", "model.name=tiny", "tasks.dataset=fake",
+                             "es.population=8", "pool.mode=sync"])
+    trainer = ESTrainer(cfg)
+    try:
+        seen = []
+        distributed.attach_on_main(trainer, seen.append)
+        assert seen == [trainer]  # one process: the trainer itself, no barriers
+        monkeypatch.setattr(distributed, "_SPEC", distributed.ClusterSpec("h:1", 2, 0, "test"))
+        hooks = len(trainer.drained_hooks), len(trainer.before_run_hooks)
+        distributed.attach_on_main(trainer, seen.append)
+        view = seen[1]
+        assert (len(trainer.drained_hooks), len(trainer.before_run_hooks)) == (hooks[0] + 1, hooks[1] + 1)
+        replica0 = set(trainer.pool.replicas[0].mesh.devices.flat)
+        assert view.model.mesh is trainer.pool.replicas[0].mesh and view.store.version == 0
+        assert view.drained_hooks is trainer.drained_hooks and view.cfg is trainer.cfg
+        for placed, master in zip(jax.tree.leaves(view.store.params), jax.tree.leaves(trainer.store.params)):
+            assert placed.sharding.device_set == replica0 and placed.dtype == np.float32
+            np.testing.assert_array_equal(np.asarray(placed), np.asarray(master))
+        monkeypatch.setattr(distributed, "_SPEC", distributed.ClusterSpec("h:1", 2, 1, "test"))
+        distributed.attach_on_main(trainer, seen.append)
+        assert len(seen) == 2  # process 1 never evaluates
+    finally:
+        trainer.close()
