@@ -39,7 +39,7 @@ from asyncres_jax.checkpoint import Checkpointer, flatten, unflatten_like
 from asyncres_jax.config import TrainConfig, load_config, to_yaml
 from asyncres_jax.errors import UserError
 from asyncres_jax.jobs import FAKE, engines_per_mesh, episode_job_fn, fake_job_fn, task_batch
-from asyncres_jax.mesh import make_mesh, param_shardings, replica_meshes
+from asyncres_jax.mesh import make_mesh, param_shardings
 from asyncres_jax.rollout import Cohort, Coordinator, ParamStore, PoolConfig, Replica, RolloutPool
 
 CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS = "config.yaml", "manifest.json", "checkpoints"
