@@ -96,6 +96,7 @@ def test_a_cohort_batch_plays_each_members_own_episodes(model, engine, materiali
     for member, r in zip(cohort, results):
         assert r.fitness == np.mean([e.reward for e in member]) and r.stats["batch_members"] == 3
         assert r.stats["tokens"] == sum(int(e.tokens.generated_mask.sum()) for e in member)
+    assert ["transcript" in r.stats for r in results] == [True, True, False]  # a sample, like episode_job_fn
 
 
 def test_cohort_members_share_the_sampling_randomness_of_each_task(model, engine):

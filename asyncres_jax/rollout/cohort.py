@@ -10,8 +10,9 @@ tasks rows, through one generation over one copy of the weights (low-rank ES: es
   call. With W worker threads per replica a batch holds up to W members (the pool needs N > W, so a cohort
   of N takes ceil(N / W) batches); each job is still its own attempt for the coordinator (staleness, drops,
   deadlines, re-issues and utilisation are accounted per member, unchanged).
-- `cohort_job_fn(...)`: JobBatcher(run_cohort on the version's task batch), a drop-in job_fn for RolloutPool
-  (configure workers_per_replica = the members wanted per batch).
+
+The trainer wires them (es.batched_population: JobBatcher over run_cohort on the version's task batch, with
+max_batch = pool.workers_per_replica).
 
 Common random numbers: every member of a cohort must see the same tasks and the same sampling randomness as
 when its job runs alone. The tasks are the version's; the engine keys a row's sampling by (seed, row id), so
@@ -29,9 +30,9 @@ import numpy as np
 from asyncres_jax.errors import UserError
 from asyncres_jax.es.config import ESConfig
 from asyncres_jax.es.population import LowRankPopulation
-from asyncres_jax.jobs import member_sign, task_batch
+from asyncres_jax.jobs import member_sign
 from asyncres_jax.rollout.coordinator import Job, JobResult
-from asyncres_jax.rollout.episodes import EpisodeConfig, EpisodeResult, ModelPolicy, run_episodes
+from asyncres_jax.rollout.episodes import EpisodeConfig, EpisodeResult, ModelPolicy, format_transcript, run_episodes
 
 Params = Any
 
@@ -57,7 +58,9 @@ class PopulationPolicy(ModelPolicy):
         return batch
 
 
-def _member_result(results: Sequence[EpisodeResult], fitness: str, seconds: float, batch_members: int) -> JobResult:
+def _member_result(job: Job, results: Sequence[EpisodeResult], fitness: str, seconds: float,
+                   batch_members: int) -> JobResult:
+    """The JobResult jobs.episode_job_fn reports for one member, from this member's share of the batch."""
     scores = [r.partial if fitness == "partial" else r.reward for r in results]
     return JobResult(float(np.mean(scores)), {
         "episodes": len(results),
@@ -68,6 +71,8 @@ def _member_result(results: Sequence[EpisodeResult], fitness: str, seconds: floa
         "timeouts": int(sum(r.timed_out for r in results)),
         "seconds": seconds,  # the whole batch's wall time: its members share it
         "batch_members": batch_members,
+        # a sample of what the agent did, for RUN_DIR/transcripts (members 0 and 1 only, like episode_job_fn)
+        **({"transcript": format_transcript(results[0])} if job.member_index < 2 and results else {}),
     })
 
 
@@ -102,7 +107,7 @@ def run_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backen
     t = time.monotonic()
     episodes = play_cohort(engine, params, jobs, tasks, backend, episode_cfg, es_cfg, **kw)
     seconds = time.monotonic() - t
-    return [_member_result(member, fitness, seconds, len(jobs)) for member in episodes]
+    return [_member_result(job, member, fitness, seconds, len(jobs)) for job, member in zip(jobs, episodes)]
 
 
 class _Group:
@@ -174,43 +179,3 @@ class JobBatcher:
         group.closed = True
         if self._open.get(key) is group:
             del self._open[key]
-
-
-def cohort_job_fn(model, tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig, es_cfg: ESConfig, *,
-                  global_seed: int, tasks_per_member: int, max_batch: int, fitness: str = "binary",
-                  engine_for: Callable[[Params], Any] | None = None, linger_s: float = 0.05) -> JobBatcher:
-    """A pool job_fn that plays up to `max_batch` members of a version as one batch (see the module doc).
-
-    engine_for(params) -> the generation engine for that replica's params (default: one engine per mesh).
-    """
-    if es_cfg.noise != "lowrank":
-        raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
-    engine_for = engine_for or _engines_per_mesh(model, episode_cfg.context_limit)
-
-    def batch_fn(jobs: list[Job], params: Params) -> list[JobResult]:
-        batch = task_batch(tasks, global_seed, jobs[0].dispatch_version, tasks_per_member)
-        return run_cohort(engine_for(params), params, jobs, batch, backend, episode_cfg, es_cfg, fitness=fitness)
-
-    return JobBatcher(batch_fn, max_batch, linger_s)
-
-
-def _engines_per_mesh(model, context_limit: int) -> Callable[[Params], Any]:
-    """One generation engine per replica mesh (found from where the params live)."""
-    import jax
-    from jax.sharding import NamedSharding
-
-    from asyncres_jax.model import Model
-    from asyncres_jax.model.generate import Engine
-
-    engines, lock = {}, threading.Lock()
-
-    def engine_for(params):
-        sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
-        mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-        with lock:
-            if mesh not in engines:
-                engines[mesh] = Engine(Model(model.config, None, model.tokenizer, mesh, model.source),
-                                       context_limit=context_limit)
-            return engines[mesh]
-
-    return engine_for
