@@ -298,11 +298,18 @@ class ESTrainer:
         if main:
             write_manifest(self.run_dir, cfg, self.mesh, argv, self.store.version if continuing else None)
 
-        if job_fn is None:
-            job_fn = fake_job_fn(self.model.config, self.es_cfg) if fake else self._episode_job(dataset)
-        job_fn = distributed.share_results(job_fn)  # across processes: each job runs in one, all get its result
-        self.pool = RolloutPool(self.coordinator, self.store, job_fn, replicas=replicas,
-                                workers_per_replica=cfg.pool.workers_per_replica, on_commit=self._on_commit)
+        try:
+            if job_fn is None:
+                job_fn = fake_job_fn(self.model.config, self.es_cfg) if fake else self._episode_job(dataset)
+            job_fn = distributed.share_results(job_fn)  # across processes: each job runs in one, all get its result
+            self.pool = RolloutPool(self.coordinator, self.store, job_fn, replicas=replicas,
+                                    workers_per_replica=cfg.pool.workers_per_replica, on_commit=self._on_commit)
+        except BaseException:  # nothing may stay behind: the sandbox backend's folders, open files
+            if self.backend is not None:
+                self.backend.close()
+            self.metrics.close()
+            self.checkpointer.close()
+            raise
 
     # -- ES plumbing -----------------------------------------------------------------------------------
 
