@@ -95,3 +95,19 @@ def test_resume_continues_from_the_checkpoint(first):
         trainer.close()
     assert [r["update"] for r in metrics.read(run_dir)] == [1, 2, 3, 4]
     assert len(json.loads((run_dir / "manifest.json").read_text())["sessions"]) == 2
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(first, capsys):
+    run_dir = first["run_dir"]  # after the resume test: checkpoints at updates 3 (step 2) and 4 (step 3)
+    for f in (run_dir / "checkpoints" / "3" / "arrays").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and "d" in f.parent.name:
+            f.write_bytes(b"")
+    trainer = ESTrainer(config(run_dir, "es.updates=4"))
+    try:
+        assert trainer.store.version == 3
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.tree.map(np.asarray, trainer.store.params),
+                                                first["params"])))
+    finally:
+        trainer.close()
+    assert "is unreadable" in capsys.readouterr().err
+    assert [r["update"] for r in metrics.read(run_dir)] == [1, 2, 3]  # update 4 will be redone, not logged twice
