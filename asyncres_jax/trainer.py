@@ -521,12 +521,19 @@ class _Signals:
             self.trainer.request_stop()
             return
         log(f"{name} again: removing sandboxes and exiting now")
-        try:
-            if self.trainer.backend is not None:
-                self.trainer.backend.close()
-        finally:
-            import os
+        import os
 
+        try:
+            backend = self.trainer.backend
+            if backend is not None:
+                backend.close()
+                # Episode threads may still be copying a sandbox's files into the backend's folder while it is
+                # deleted; a reaper deletes it again once this process (and so every thread) is gone.
+                if getattr(backend, "_own_root", False):
+                    subprocess.Popen(["sh", "-c", 'while kill -0 "$0" 2>/dev/null; do sleep 0.02; done; rm -rf "$1"',
+                                      str(os.getpid()), str(backend.root)], start_new_session=True,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
             os._exit(128 + signum)  # daemon worker threads and --die-with-parent sandboxes end with us
 
     def __exit__(self, *exc):
