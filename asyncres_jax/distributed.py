@@ -166,15 +166,15 @@ def _client():
 
 def check_mesh(mesh) -> None:
     """Each replica (a row of the data axis) must sit inside one process: its worker threads drive it alone."""
+    d, m = mesh.devices.shape
+    per_process = sum(dev.process_index == mesh.devices.flat[0].process_index for dev in mesh.devices.flat)
     for i, row in enumerate(mesh.devices):
-        owners = sorted({d.process_index for d in row})
+        owners = sorted({dev.process_index for dev in row})
         if len(owners) > 1:
-            import jax
-
-            raise UserError(f"mesh {mesh.shape['data']}x{mesh.shape['model']}: replica {i} spans processes "
-                            f"{owners}; the model axis must divide the {jax.local_device_count()} devices of one "
-                            "process (e.g. --mesh {}x{})".format(mesh.size // jax.local_device_count(),
-                                                                jax.local_device_count()))
+            fits = [k for k in range(1, per_process + 1) if per_process % k == 0]
+            raise UserError(f"mesh {d}x{m}: replica {i} spans processes {owners}; the model axis must divide the "
+                            f"{per_process} devices of one process (model-axis sizes {', '.join(map(str, fits))}, "
+                            f"e.g. --mesh {d * m // fits[-1]}x{fits[-1]})")
 
 
 def is_local(mesh) -> bool:

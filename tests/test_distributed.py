@@ -86,13 +86,11 @@ def _finish(procs: dict[str, subprocess.Popen], tmp: pathlib.Path, end: float) -
     return logs
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _train_both_ways(tmp: pathlib.Path) -> dict:
     """One process on 8 devices: 2 updates. Two processes on 4 each: 1 update, checkpoint, then a second
     session resumes from that checkpoint (restored into the global shardings) for the 2nd update."""
     if not _gloo_available():
         pytest.skip("this jaxlib has no gloo CPU collectives: multi-process CPU runs are impossible here")
-    tmp = tmp_path_factory.mktemp("distributed")
     single, multi = tmp / "single", tmp / "multi"
     end = time.monotonic() + TIMEOUT_S
     procs: dict[str, subprocess.Popen] = {}
@@ -116,7 +114,7 @@ def runs(tmp_path_factory):
     return {"single": single, "multi": multi, "logs": logs}
 
 
-def test_two_processes_end_with_the_single_process_parameters(runs):
+def _same_final_parameters(runs):
     single, multi = _final_params(runs["single"]), _final_params(runs["multi"])
     assert single.keys() == multi.keys()
     for name in single:
@@ -132,7 +130,7 @@ def _initial_params():
     return flatten(tiny_model(0).params, "params")
 
 
-def test_same_cohorts_and_fitness_in_both_runs(runs):
+def _same_cohorts_and_fitness(runs):
     one, two = metrics.read(runs["single"]), metrics.read(runs["multi"])
     assert [r["update"] for r in two] == [1, 2]
     for a, b in zip(one, two):
@@ -143,7 +141,7 @@ def test_same_cohorts_and_fitness_in_both_runs(runs):
     assert [r["fitness_mean"] for r in theirs] == [r["fitness_mean"] for r in two]
 
 
-def test_process_zero_alone_writes_the_run_directory_and_logs(runs):
+def _process_zero_alone_writes_and_logs(runs):
     multi, logs = runs["multi"], runs["logs"]
     manifest = json.loads((multi / "manifest.json").read_text())
     assert [s["resumed_at_update"] for s in manifest["sessions"]] == [None, 1]
@@ -154,12 +152,21 @@ def test_process_zero_alone_writes_the_run_directory_and_logs(runs):
     assert "2 replicas x 1 workers" in logs["first0"]  # each process drives its own 2 of the 4 rows
 
 
-def test_each_process_checkpoints_its_own_shards(runs):
+def _each_process_checkpoints_its_own_shards(runs):
     checkpoints = runs["multi"] / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2"]
     for step in ("1", "2"):
         arrays = checkpoints / step / "arrays"
         assert (arrays / "ocdbt.process_0").is_dir() and (arrays / "ocdbt.process_1").is_dir()
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(tmp_path):
+    runs = _train_both_ways(tmp_path)
+    _same_final_parameters(runs)
+    _same_cohorts_and_fitness(runs)
+    _process_zero_alone_writes_and_logs(runs)
+    _each_process_checkpoints_its_own_shards(runs)
 
 
 # ------------------------------------------------------------------------------------------- cluster spec
@@ -257,3 +264,14 @@ def test_process_zero_evaluates_on_its_first_replica(tmp_path, monkeypatch):
         assert len(seen) == 2  # process 1 never evaluates
     finally:
         trainer.close()
+
+
+def test_a_replica_may_not_span_processes():
+    from types import SimpleNamespace
+
+    dev = [SimpleNamespace(process_index=i // 4) for i in range(8)]  # 2 processes x 4 devices
+    distributed.check_mesh(SimpleNamespace(devices=np.array(dev, object).reshape(4, 2)))
+    with pytest.raises(UserError, match=r"mesh 1x8: replica 0 spans processes \[0, 1\].*--mesh 2x4"):
+        distributed.check_mesh(SimpleNamespace(devices=np.array(dev, object).reshape(1, 8)))
+    with pytest.raises(UserError, match="replica 1 spans"):  # rows of 3 straddle the boundary at device 4
+        distributed.check_mesh(SimpleNamespace(devices=np.array(dev[:6], object).reshape(2, 3)))
