@@ -92,6 +92,17 @@ def test_rows_per_member_is_member_major_and_take_rows_follows():
         pop.take_rows([6])
 
 
+def test_population_factors_are_es_lowrank_factors_bit_for_bit(model):
+    _, params, _ = model
+    pop = LowRankPopulation.create(params, ES, [11, 12])
+    for k, seed in enumerate([11, 12]):
+        own = es.lowrank_factors(params, seed, ES)
+        flat = jax.tree.leaves(own, is_leaf=lambda x: isinstance(x, es.LowRank))
+        for path, f in zip(es.leaf_paths(params), flat):
+            for got, want in zip(jax.tree.leaves(pop.factors[path]), jax.tree.leaves(f)):
+                np.testing.assert_array_equal(np.asarray(got)[k], np.asarray(want), err_msg=path)
+
+
 @pytest.mark.parametrize("bad", [
     dict(cfg=es.ESConfig(noise="iid")), dict(seeds=[]), dict(seeds=[-1]), dict(signs=[1, 0]), dict(signs=[1]),
     dict(rows_per_member=0), dict(contraction="loop"),

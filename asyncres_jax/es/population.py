@@ -6,8 +6,8 @@ With low-rank noise a member's weight matrix is W + s * sigma * A B^T / sqrt(r),
 
 and rows of one batch can belong to different members while sharing W. `LowRankPopulation` is the decoder's
 `perturbation` (model/decoder.py, `Perturbation`): it holds, per weight leaf, the factors of every distinct
-noise seed stacked on a leading axis (built by es.lowrank_factors, the exact rule behind es.perturb in
-`lowrank` mode), and per batch row which seed and which sign (times sigma) the row uses. Vectors (norm scales,
+noise seed stacked on a leading axis (drawn by es.noise's per-leaf rule, bit for bit es.lowrank_factors,
+the factors behind es.perturb in `lowrank` mode), and per batch row which seed and which sign (times sigma) the row uses. Vectors (norm scales,
 biases) take their full-rank noise per row.
 
 It lives in es/ because it is the ES noise rule applied inside the forward instead of to the weights; it
@@ -41,29 +41,45 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from asyncres_jax.errors import UserError
 from asyncres_jax.es.config import ESConfig
-from asyncres_jax.es.noise import LowRank, check_seed, leaf_paths, lowrank_factors
+from asyncres_jax.es.noise import (LowRank, check_seed, is_lowrank_leaf, leaf_factors, leaf_ids, leaf_key, leaf_noise,
+                                   leaf_paths, shape_of)
 
 Array = jax.Array
 CONTRACTIONS = ("select", "gather")
 
 
-def _is_factors(x) -> bool:
-    return isinstance(x, LowRank)
+@functools.partial(jax.jit, static_argnames=("shape", "cfg"))
+def _draw_group(seed, lids_g, *, shape: tuple[int, ...], cfg: ESConfig):
+    """One seed's noise for the G leaves of one shape: es.noise's per-leaf rule, vmapped over the leaf ids."""
+    def one(lid):
+        key = leaf_key(seed, lid)
+        return leaf_factors(key, shape, cfg.rank) if is_lowrank_leaf(shape, cfg) else leaf_noise(key, shape, cfg)
+    return jax.vmap(one)(lids_g)
 
 
-@jax.jit
-def _stack(per_seed: list):
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_seed)
+def _stacked_factors(shapes, seeds: Sequence[int], cfg: ESConfig) -> list:
+    """Per leaf (flattening order), every seed's noise stacked on a leading seed axis: LowRank(a [S, m, r],
+    b [S, n, r]) for matrices, [S, n] for vectors; bit for bit what es.lowrank_factors draws.
 
-
-def _stacked_factors(shapes, seeds: Sequence[int], cfg: ESConfig):
-    """Every seed's es.lowrank_factors, stacked on a leading seed axis.
-
-    One seed at a time: the noise program then compiles once per model whatever the number of seeds (a
-    cohort batch's size varies), and only the parts of cfg the noise depends on reach its compile key.
+    Leaves of one shape (a model's layers) are drawn by one vmapped program (vmap over keys draws what a loop
+    would), so a model compiles one small program per distinct shape instead of one holding every leaf's draw
+    (SmolLM2's 272 leaves have 12 shapes). Seeds go one at a time, so no program depends on their number, and
+    only the parts of cfg the noise depends on reach the compile key.
     """
     noise_cfg = ESConfig(noise="lowrank", rank=cfg.rank)
-    return _stack([lowrank_factors(shapes, int(s), noise_cfg) for s in seeds])
+    leaves = jax.tree.leaves(shapes)
+    ids = leaf_ids(shapes, noise_cfg)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(shape_of(x), []).append(i)
+    out: list = [None] * len(leaves)
+    for shape, members in groups.items():
+        lids_g = np.asarray([ids[i] for i in members], np.uint32)
+        drawn = [_draw_group(np.int32(s), lids_g, shape=shape, cfg=noise_cfg) for s in seeds]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *drawn)  # [S, G, ...]
+        for g, i in enumerate(members):
+            out[i] = jax.tree.map(lambda x: x[:, g], stacked)
+    return out
 
 
 def _place(stacked, param):
@@ -125,9 +141,8 @@ class LowRankPopulation:
             raise UserError(f"rows_per_member={rows_per_member!r} must be an integer >= 1")
         seeds, seed_of_member = np.unique(np.asarray(member_seeds, np.int64), return_inverse=True)
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        stacked = _stacked_factors(shapes, seeds, cfg)
+        flat_noise = _stacked_factors(shapes, seeds, cfg)
         flat_params = jax.tree.leaves(params)
-        flat_noise = jax.tree.leaves(stacked, is_leaf=_is_factors)
         factors = {}
         for path, param, f in zip(leaf_paths(params), flat_params, flat_noise):
             if isinstance(f, LowRank):  # matmul factors in the activation dtype; vector noise stays float32
