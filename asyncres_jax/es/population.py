@@ -63,7 +63,7 @@ def _stacked_factors(shapes, seeds: Sequence[int], cfg: ESConfig) -> list:
 
     Leaves of one shape (a model's layers) are drawn by one vmapped program (vmap over keys draws what a loop
     would), so a model compiles one small program per distinct shape instead of one holding every leaf's draw
-    (SmolLM2's 272 leaves have 12 shapes). Seeds go one at a time, so no program depends on their number, and
+    (SmolLM2's 272 leaves have 6 shapes). Seeds go one at a time, so no program depends on their number, and
     only the parts of cfg the noise depends on reach the compile key.
     """
     noise_cfg = ESConfig(noise="lowrank", rank=cfg.rank)
