@@ -219,7 +219,8 @@ def on_main(fn: Callable[..., T], *args, timeout_s: float = WAIT_S, **kwargs) ->
     """fn(*args) on process 0; the others wait for its (JSON) result, or raise its UserError."""
     if num_processes() == 1:
         return fn(*args, **kwargs)
-    key = f"{KEY_PREFIX}/on_main/{getattr(fn, '__name__', 'fn')}/{next(_counter)}"
+    name = re.sub(r"\W", "_", getattr(fn, "__name__", "fn"))  # "<lambda>" -> "_lambda_"
+    key = f"{KEY_PREFIX}/on_main/{name}/{next(_counter)}"
     if is_main_process():
         try:
             out = fn(*args, **kwargs)
