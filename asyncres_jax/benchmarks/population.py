@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -117,7 +118,9 @@ def main(argv: list[str]) -> int:
         out, extra = variants[name]()
         convs = out if isinstance(out, list) else [out]
         generated = sum(int(np.sum(g)) for c in convs for g in c.generated_mask)
-        return time.perf_counter() - t, generated, extra
+        seconds = time.perf_counter() - t
+        print(f"{name}: {seconds:.2f} s, {generated} tokens", file=sys.stderr, flush=True)  # progress
+        return seconds, generated, extra
 
     results = {name: {"compile_run_s": timed(name)[0], "runs_s": [], "extra": []} for name in chosen}
     for _ in range(args.repeats):
