@@ -165,8 +165,8 @@ class GRPOSection:
 @dataclass
 class EvalSection:
     every: int = opt(10, "evaluate the validation split every k updates (0 = never)")
-    val_tasks: int = opt(100, "validation tasks evaluated (first k of the split)")
-    test_tasks: int = opt(300, "test tasks evaluated at the end (first k of the split)")
+    val_tasks: int = opt(100, "validation tasks evaluated (tiers balanced)")
+    test_tasks: int = opt(300, "test tasks evaluated at the end (tiers balanced)")
     seeds: list[int] = opt([42, 43, 44], "sampling seeds of held-out evaluation")
     val_seeds: list[int] = opt([], "sampling seeds of the periodic validation (empty = eval.seeds)")
 

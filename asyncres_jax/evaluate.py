@@ -168,6 +168,15 @@ def filter_tasks(tasks: Sequence[Any], families: Sequence[str] = (), difficultie
     return out
 
 
+def spread(tasks: Sequence[Any], n: int) -> list:
+    """The first n tasks taken round-robin over the tiers (split files list tasks tier by tier)."""
+    groups: dict[str, list] = {}
+    for t in tasks:
+        groups.setdefault(t.difficulty, []).append(t)
+    order = [g[i] for i in range(max(map(len, groups.values()), default=0)) for g in groups.values() if i < len(g)]
+    return order[:n]
+
+
 def run_evaluation(policy, tasks: Sequence[Any], backend, episode_cfg, seeds: Sequence[int], *,
                    batch_size: int = 64, transcripts: pathlib.Path | None = None, samples: int = 3,
                    progress: bool = True) -> list[EpisodeOutcome]:
@@ -239,12 +248,13 @@ def format_report(r: dict) -> str:
 
 def evaluate_params(cfg, model, params, split: str, n_tasks: int, backend, *, out_dir: pathlib.Path | None = None,
                     tag: str = "", seeds: Sequence[int] | None = None) -> dict:
-    """Evaluate `params` on the first n_tasks of a split of cfg's dataset (after the family/tier filter)."""
+    """Evaluate `params` on n_tasks of a split of cfg's dataset (after the family/tier filter; tiers balanced)."""
     from asyncres_jax.envs.task import load_split
     from asyncres_jax.model.generate import Engine
     from asyncres_jax.rollout.episodes import EpisodeConfig, ModelPolicy
 
-    tasks = filter_tasks(load_split(cfg.tasks.dataset, split), cfg.tasks.families, cfg.tasks.difficulties)[:n_tasks]
+    tasks = spread(filter_tasks(load_split(cfg.tasks.dataset, split), cfg.tasks.families, cfg.tasks.difficulties),
+                   n_tasks)
     if not tasks:
         raise UserError(f"{cfg.tasks.dataset}/splits/{split}.txt lists no tasks to evaluate")
     episode_cfg = EpisodeConfig.from_sections(cfg.episode, cfg.sandbox)
@@ -366,7 +376,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--split", default="test", choices=("train", "val", "test"))
     p.add_argument("--seeds", type=int, nargs="+", help="sampling seeds (default: the config's eval.seeds)")
     p.add_argument("--dataset", help="task dataset folder (default: the config's tasks.dataset)")
-    p.add_argument("--tasks", type=int, help="evaluate the first N tasks of the split (default: the config's "
+    p.add_argument("--tasks", type=int, help="evaluate N tasks of the split, tiers balanced (default: the config's "
                                              "eval.test_tasks / eval.val_tasks; 0 = all)")
     p.add_argument("--compare", help="a report of another evaluation (--out) to compare with, paired per episode")
     p.add_argument("--out", help="write the full report (summary and every episode) to this JSON file")

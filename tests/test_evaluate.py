@@ -142,6 +142,8 @@ def test_filter_tasks_by_family_and_tier():
     assert [t.name for t in ev.filter_tasks(tasks, ["files"], [])] == ["a", "c"]
     assert [t.name for t in ev.filter_tasks(tasks, [], ["hard"])] == ["b", "c"]
     assert ev.filter_tasks(tasks) == tasks
+    tiered = [Task(f"{d}{i}", "f", d) for d in ("medium", "easy", "hard") for i in range(3)]
+    assert [t.name for t in ev.spread(tiered, 4)] == ["medium0", "easy0", "hard0", "medium1"]
     with pytest.raises(ev.UserError, match="no task matches"):
         ev.filter_tasks(tasks, ["nope"])
 
