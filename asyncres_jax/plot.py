@@ -69,11 +69,17 @@ def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
         if len(s):
             ax.plot(xs, 100 * s, "o-", color=color, label=f"{run['name']} validation")
             ax.fill_between(xs, 100 * ci[:, 0], 100 * ci[:, 1], color=color, alpha=0.15)
+            partial = [100 * e.get("partial", np.nan) for e in run["evals"] if e["split"] == "val"]
+            ax.plot(xs, partial, "x:", color=color, label=f"{run['name']} validation, partial credit")
         upd, t, s, ci = _evals(run, "test")
         xs = upd if x == "update" else t
         if len(s):
             err = 100 * np.abs(ci - s[:, None]).T
             ax.errorbar(xs, 100 * s, yerr=err, fmt="s", color=color, capsize=4, label=f"{run['name']} test")
+    # a flat zero curve still gets a readable frame: success from 0, the x axis at least one unit wide
+    ax.set_ylim(0, max(5.0, ax.get_ylim()[1]))
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(min(lo, -0.5), max(hi, 1.5))
     _finish(fig, ax, out, plt, "ES update" if x == "update" else "wall clock (minutes)", "held-out success (%)",
             "Held-out success (95% CI: bootstrap over tasks)")
 
