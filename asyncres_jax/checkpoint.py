@@ -74,6 +74,20 @@ class Checkpointer:
         self._manager.save(step, args=args, force=True)
         self._manager.wait_until_finished()
 
+    def same_run(self, config_fingerprint: str, layout: str, model_name: str) -> Callable[[dict], None]:
+        """A `check` for restore_latest: the checkpoint must come from this config and this parameter layout."""
+        from asyncres_jax.errors import UserError
+
+        def check(meta: dict) -> None:
+            if meta.get("config_fingerprint") != config_fingerprint:
+                raise UserError(f"{self.directory} holds checkpoints of a different config; "
+                                "use another run_dir= or --overwrite")
+            if meta.get("layout") != layout:
+                raise UserError(f"{self.directory}: checkpoint parameters do not match the model "
+                                f"{model_name!r} (layout {meta.get('layout')} vs {layout})")
+
+        return check
+
     def restore_latest(self, template: dict[str, Any], check: Callable[[dict], None] = lambda meta: None,
                        steps: list[int] | None = None) -> Restored | None:
         """The newest readable step (of `steps`, default all) with arrays placed like `template`'s, or None.

@@ -13,12 +13,10 @@ so the global seed and the version are the whole RNG state.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import hashlib
 import importlib.metadata
 import json
-import math
 import pathlib
 import platform
 import shutil
@@ -406,16 +404,8 @@ class ESTrainer:
             f"({len(meta['coordinator']['cohort'])} results waiting for the next update)")
 
     def _restore(self) -> int | None:
-        layout = es.layout_fingerprint(self.store.params)
-
-        def check(meta):
-            if meta.get("config_fingerprint") != fingerprint(self.cfg):
-                raise UserError(f"{self.checkpointer.directory} holds checkpoints of a different config; "
-                                "use another run_dir= or --overwrite")
-            if meta.get("layout") != layout:
-                raise UserError(f"{self.checkpointer.directory}: checkpoint parameters do not match the model "
-                                f"{self.cfg.model.name!r} (layout {meta.get('layout')} vs {layout})")
-
+        check = self.checkpointer.same_run(fingerprint(self.cfg), es.layout_fingerprint(self.store.params),
+                                           self.cfg.model.name)
         restored = self.checkpointer.restore_latest(self._arrays(), check)
         if restored is None:
             return None

@@ -163,16 +163,7 @@ class GRPOTrainer:
         self.common.log(f"checkpoint {self.ckpt_step} at GRPO step {self.step}")
 
     def _restore(self) -> int | None:
-        layout = self._layout()
-
-        def check(meta):
-            if meta.get("config_fingerprint") != self.common.fingerprint(self.cfg):
-                raise UserError(f"{self.checkpointer.directory} holds checkpoints of a different config; "
-                                "use another run_dir= or --overwrite")
-            if meta.get("layout") != layout:
-                raise UserError(f"{self.checkpointer.directory}: checkpoint parameters do not match the model "
-                                f"{self.cfg.model.name!r}")
-
+        check = self.checkpointer.same_run(self.common.fingerprint(self.cfg), self._layout(), self.cfg.model.name)
         restored = self.checkpointer.restore_latest(self._arrays(), check)
         if restored is None:
             return None
