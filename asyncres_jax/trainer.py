@@ -543,14 +543,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ha
         from asyncres_jax.evaluate import attach
 
         distributed.attach_on_main(trainer, attach)  # validation every eval.every updates, test at the end
-        if handle_signals:
-            with _Signals(trainer):
-                trainer.run()
-        else:
-            trainer.run()
+        run_to_end(trainer, handle_signals)
     finally:
         trainer.close()
     return 0
+
+
+def run_to_end(trainer, handle_signals: bool) -> None:
+    """trainer.run(), with SIGINT/SIGTERM turned into a drain-and-checkpoint stop when asked (the CLI does)."""
+    if handle_signals:
+        with _Signals(trainer):
+            trainer.run()
+    else:
+        trainer.run()
 
 
 def _find_checkpoint(path: pathlib.Path) -> tuple[pathlib.Path, int | None]:

@@ -255,15 +255,11 @@ class GRPOTrainer:
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, handle_signals: bool = False,
           argv: list[str] | None = None, devices=None) -> int:
     """The `algo: grpo` entry point of the training program (same arguments as trainer.train)."""
-    from asyncres_jax.trainer import _Signals
+    from asyncres_jax.trainer import run_to_end
 
     trainer = GRPOTrainer(cfg, resume=resume, overwrite=overwrite, argv=argv, devices=devices)
     try:
-        if handle_signals:
-            with _Signals(trainer):
-                trainer.run()
-        else:
-            trainer.run()
+        run_to_end(trainer, handle_signals)
     finally:
         trainer.close()
     return 0
