@@ -79,26 +79,40 @@ def test_export_loads_in_transformers_with_matching_logits(first, tmp_path):
     np.testing.assert_allclose(theirs, ours, atol=2e-4, rtol=2e-4)
 
 
-def test_resume_continues_from_the_checkpoint(first):
+@pytest.fixture(scope="module")
+def resumed(first):
+    """The same run resumed for one more update; what the resume saw, recorded for the tests below.
+
+    A fixture rather than a test, so the corrupt-checkpoint test finds these checkpoints whatever order or
+    worker the tests run in.
+    """
     run_dir = first["run_dir"]
     trainer = ESTrainer(config(run_dir, "es.updates=4"))  # same run, one more update
     try:
-        assert trainer.store.version == 3
-        restored = jax.tree.map(np.asarray, trainer.store.params)
-        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, restored, first["params"])))
-        # The results accepted after update 3 but not committed yet came back with the coordinator.
-        assert trainer.coordinator.state_dict()["cohort"] == first["cohort"]
-        assert len(first["cohort"]) > 0
+        seen = dict(version=trainer.store.version, params=jax.tree.map(np.asarray, trainer.store.params),
+                    cohort=trainer.coordinator.state_dict()["cohort"])
         trainer.run()
-        assert trainer.store.version == 4
+        seen["final_version"] = trainer.store.version
     finally:
         trainer.close()
-    assert [r["update"] for r in metrics.read(run_dir)] == [1, 2, 3, 4]
-    assert len(json.loads((run_dir / "manifest.json").read_text())["sessions"]) == 2
+    seen["updates"] = [r["update"] for r in metrics.read(run_dir)]
+    seen["sessions"] = len(json.loads((run_dir / "manifest.json").read_text())["sessions"])
+    return seen
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(first, capsys):
-    run_dir = first["run_dir"]  # after the resume test: checkpoints at updates 3 (step 2) and 4 (step 3)
+def test_resume_continues_from_the_checkpoint(first, resumed):
+    assert resumed["version"] == 3
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, resumed["params"], first["params"])))
+    # The results accepted after update 3 but not committed yet came back with the coordinator.
+    assert resumed["cohort"] == first["cohort"]
+    assert len(first["cohort"]) > 0
+    assert resumed["final_version"] == 4
+    assert resumed["updates"] == [1, 2, 3, 4]
+    assert resumed["sessions"] == 2
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(first, resumed, capsys):
+    run_dir = first["run_dir"]  # after the resume: checkpoints at updates 3 (step 2) and 4 (step 3)
     for f in (run_dir / "checkpoints" / "3" / "arrays").rglob("*"):
         if f.is_file() and f.stat().st_size > 0 and "d" in f.parent.name:
             f.write_bytes(b"")
