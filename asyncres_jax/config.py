@@ -132,9 +132,18 @@ class PoolSection:
     delay: int = opt(4, "controlled: updates by which held-back results are delayed")
     workers_per_replica: int = opt(1, "worker threads sharing one model replica")
     job_deadline_s: float = opt(3600.0, "a job running longer is re-issued with the same seed")
+    backend: str = opt("threads", "threads (replicas on this process's devices) or ray (one Ray actor per replica)")
+    ray_address: str = opt("", "ray: an existing cluster ('auto' or host:port); empty starts a local one")
+    ray_actors: int = opt(0, "ray: rollout actors (0: one per data replica of the mesh)")
+    ray_cpus_per_actor: float = opt(1.0, "ray: CPUs each actor reserves")
+    ray_gpus_per_actor: float = opt(0.0, "ray: GPUs each actor reserves (its devices)")
 
     def __post_init__(self):
         _choice("pool", "mode", self.mode, ("sync", "async", "controlled"))
+        _choice("pool", "backend", self.backend, ("threads", "ray"))
+        _positive("pool", "ray_actors", self.ray_actors, allow_zero=True)
+        _positive("pool", "ray_cpus_per_actor", self.ray_cpus_per_actor, allow_zero=True)
+        _positive("pool", "ray_gpus_per_actor", self.ray_gpus_per_actor, allow_zero=True)
         _positive("pool", "max_staleness", self.max_staleness, allow_zero=True)
         _positive("pool", "held_back", self.held_back, allow_zero=True)
         _positive("pool", "delay", self.delay)

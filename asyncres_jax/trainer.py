@@ -42,7 +42,8 @@ from asyncres_jax.rollout import Cohort, Coordinator, ParamStore, PoolConfig, Re
 
 CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS = "config.yaml", "manifest.json", "checkpoints"
 # Keys that may change between sessions of one run: where it runs and how long it goes on.
-SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps")
+SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps", "pool.backend", "pool.ray_address", "pool.ray_actors",
+                "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
             "safetensors", "omegaconf", "asyncres-jax")
 
@@ -227,6 +228,10 @@ def check_supported(cfg: TrainConfig) -> None:
     if cfg.algo != "es":
         raise UserError(f"algo={cfg.algo}: only algo=es is available in this version of the training program")
     distributed.check_schedule(cfg.pool.mode)
+    if cfg.pool.backend == "ray":
+        from asyncres_jax.rollout.ray_pool import check_config
+
+        check_config(cfg)
     if cfg.es.antithetic and cfg.pool.mode != "sync":
         raise UserError("es.antithetic=true needs pool.mode=sync: a pair's two results must land in one cohort")
 
@@ -281,7 +286,9 @@ class ESTrainer:
                                 shape=lambda f: es.shape_fitness(f, self.es_cfg), replay=self._replay_fn())
         pseeds = (lambda g, v, i: es.member_seed(g, v, i // 2)) if cfg.es.antithetic else es.member_seed
         replicas = self._replicas()
-        self.coordinator = Coordinator(pool_config(cfg, len(replicas) * cfg.pool.workers_per_replica), pseeds)
+        ray = cfg.pool.backend == "ray"  # one actor per replica, or pool.ray_actors of them
+        n_workers = (cfg.pool.ray_actors or len(replicas)) if ray else len(replicas) * cfg.pool.workers_per_replica
+        self.coordinator = Coordinator(pool_config(cfg, n_workers), pseeds)
         self.checkpointer = Checkpointer(self.run_dir / CHECKPOINTS, cfg.checkpoint.keep, report=log)
         self.elapsed0, self.ckpt_step, metrics_step = 0.0, 0, 0
         restored = self._restore() if continuing else None
@@ -297,6 +304,13 @@ class ESTrainer:
             write_manifest(self.run_dir, cfg, self.mesh, argv, self.store.version if continuing else None)
 
         try:
+            if ray:  # each actor builds its own model and job function from the config (rollout/ray_pool.py)
+                if job_fn is not None:
+                    raise ValueError("pool.backend=ray builds the job function inside each actor; pass no job_fn")
+                from asyncres_jax.rollout.ray_pool import trainer_pool
+
+                self.pool = trainer_pool(cfg, self.coordinator, self.store, on_commit=self._on_commit)
+                return
             if job_fn is None:
                 job_fn = fake_job_fn(self.model.config, self.es_cfg) if fake else self._episode_job(dataset)
             job_fn = distributed.share_results(job_fn)  # across processes: each job runs in one, all get its result

@@ -204,7 +204,8 @@ class RayRolloutPool:
         self.on_commit, self.clock, self.poll_seconds = on_commit, clock, poll_seconds
         self.slots = [ActorSlot(i) for i in range(n)]
         self.metrics: list[UpdateMetrics] = []
-        self.bytes_sent = {"replay": 0, "copy": 0}  # payload bytes driver -> actors (copies once per version)
+        self.bytes_sent = {"replay": 0, "copy": 0}  # payload bytes driver -> actors
+        self.puts = 0  # master trees put in the object store (at most once per version, shared by the actors)
         self.restarts = 0
         self._cond = threading.Condition()
         self._published_version = store.version
@@ -348,6 +349,7 @@ class RayRolloutPool:
                 tree = jax.tree.map(np.asarray, self._params_at[want])
                 self.bytes_sent["copy"] += sum(x.nbytes for x in jax.tree.leaves(tree))
                 self._refs_at[want] = self._ray.put(tree)
+                self.puts += 1
             return kind, self._refs_at[want]
         return kind, None
 
