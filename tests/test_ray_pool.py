@@ -204,3 +204,18 @@ def test_missing_or_unreachable_ray_is_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"cannot start or reach the Ray cluster at 10.0.0.9:6379: Could not find") as e:
         ray_pool.connect("10.0.0.9:6379")
     assert "\n" not in str(e.value)
+
+
+def broken_build():
+    raise UserError("model 'nope' not found; check model.name")
+
+
+def test_a_config_mistake_in_an_actor_is_the_same_one_line_error(cluster):
+    store, coord = learner(es_cfg(), PoolConfig(population=N, num_workers=1, mode="sync"))
+    pool = RayRolloutPool(coord, store, ActorSpec(broken_build, num_cpus=1))
+    try:
+        with pytest.raises(UserError, match="^model 'nope' not found; check model.name$"):
+            pool.run_until(1, timeout=60)
+        assert pool.restarts == 0  # a mistake is not a crash: no replacement actors
+    finally:
+        pool.shutdown()

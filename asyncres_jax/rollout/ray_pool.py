@@ -111,11 +111,15 @@ class ReplicaActor:
 
             for k, v in spec.jax_config.items():
                 jax.config.update(k, v)
-        s = spec.build()
-        self._state, self.version, self.params = s, s.version, s.params
+        self._state, self.version, self.params, self._error = None, None, None, None
+        try:  # kept, not raised: Ray would report only a traceback's text, and a UserError must stay one line
+            s = spec.build()
+            self._state, self.version, self.params = s, s.version, s.params
+        except Exception as e:  # noqa: BLE001
+            self._error = e if _picklable(e) else RuntimeError(repr(e))
 
-    def ready(self) -> tuple[int, int]:
-        return self.version, os.getpid()
+    def ready(self) -> tuple[int | None, int, BaseException | None]:
+        return self.version, os.getpid(), self._error
 
     def run(self, job: Job, kind: str, payload) -> tuple[int, JobResult | None, BaseException | None]:
         """Sync to the job's version, run it. Returns (version held afterwards, result, job error); a job
@@ -143,7 +147,8 @@ class ReplicaActor:
             return self.version, None, e if _picklable(e) else RuntimeError(repr(e))
 
     def close(self) -> None:
-        self._state.close()
+        if self._state is not None:
+            self._state.close()
 
 
 def _picklable(e: BaseException) -> bool:
@@ -359,13 +364,15 @@ class RayRolloutPool:
             slot = next(s for s in self.slots if s.ready_ref == ref)
             slot.ready_ref = None
             try:
-                slot.version, slot.pid = ray.get(ref)
-            except ray.exceptions.RayActorError as e:  # it died while starting (a bad build raises here too)
-                cause = _build_error(e)
-                if cause is not None:
-                    raise cause
+                slot.version, slot.pid, error = ray.get(ref)
+            except ray.exceptions.RayActorError as e:  # the process died while starting: try another
                 with self._cond:
                     self._replace(slot, e)
+            else:
+                if isinstance(error, UserError):  # a mistake in the config: the same in every actor
+                    raise error
+                if error is not None:
+                    raise RuntimeError(f"a rollout actor failed to start: {error!r}") from error
             with self._cond:
                 self._cond.notify_all()
             return
@@ -412,15 +419,6 @@ class RayRolloutPool:
 
     def sync_counts(self) -> dict[str, int]:
         return {k: sum(s.syncs[k] for s in self.slots) for k in ("none", "replay", "copy")}
-
-
-def _build_error(e) -> BaseException | None:
-    """The exception `build()` raised in a starting actor (a user's mistake, not a crash), else None."""
-    cause = getattr(e, "cause", None)
-    if cause is None:
-        return None
-    inner = cause.as_instanceof_cause() if hasattr(cause, "as_instanceof_cause") else cause
-    return inner if isinstance(inner, UserError) else RuntimeError(f"a rollout actor failed to start: {inner}")
 
 
 # ------------------------------------------------------------------------------------------- the trainer's replicas
