@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from bwrap_support import bwrap_or_skip
 
 try:
     import ray
@@ -26,10 +27,10 @@ from asyncres_jax.config import load_config, to_yaml
 from asyncres_jax.errors import UserError
 from asyncres_jax.jobs import fake_job_fn
 from asyncres_jax.model.tiny import tiny_model
-from asyncres_jax.rollout import Coordinator, PoolConfig, Replica, RolloutPool, es_param_store
+from asyncres_jax.rollout import Coordinator, Job, PoolConfig, Replica, RolloutPool, es_param_store
 from asyncres_jax.rollout import ray_pool
 from asyncres_jax.rollout.ray_pool import ActorSpec, RayRolloutPool, ReplicaState, driver_jax_config
-from asyncres_jax.trainer import CONFIG_FILE
+from asyncres_jax.trainer import CONFIG_FILE, ensure_tasks
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("ray")]
 
@@ -219,3 +220,20 @@ def test_a_config_mistake_in_an_actor_is_the_same_one_line_error(cluster):
         assert pool.restarts == 0  # a mistake is not a crash: no replacement actors
     finally:
         pool.shutdown()
+
+
+@pytest.mark.bwrap
+def test_an_actor_built_for_real_tasks_plays_episodes_in_its_own_sandboxes(tmp_path):
+    """What each actor runs for tasks.dataset=DIR, here in-process: the config's model, its own sandbox backend."""
+    bwrap_or_skip()
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "model.name=tiny", f"tasks.dataset={tmp_path / 'tasks'}",
+                             "tasks.generate_n=8", "episode.max_turns=1", "episode.max_new_tokens=4",
+                             "episode.context_limit=4096", "es.population=3", "es.tasks_per_member=2"])
+    ensure_tasks(cfg)
+    replica = ray_pool.build_trainer_replica(to_yaml(cfg))
+    try:
+        assert replica.version == 0 and replica.replay is not None  # no checkpoint yet; SGD on float32 replays
+        result = replica.job_fn(Job(0, 0, 0, es.member_seed(0, 0, 0), 1, 7), replica.params)
+    finally:
+        replica.close()
+    assert result.stats["episodes"] == 2 and result.stats["turns"] == 2 and 0.0 <= result.fitness <= 1.0
