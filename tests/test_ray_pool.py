@@ -237,3 +237,19 @@ def test_an_actor_built_for_real_tasks_plays_episodes_in_its_own_sandboxes(tmp_p
     finally:
         replica.close()
     assert result.stats["episodes"] == 2 and result.stats["turns"] == 2 and 0.0 <= result.fitness <= 1.0
+
+
+def crashing_replica() -> ReplicaState:
+    return ReplicaState(0, {}, job_fn=lambda job, params: os._exit(1), replay=None)
+
+
+def test_actors_that_keep_dying_stop_the_pool_with_the_error(cluster):
+    store, coord = learner(es_cfg(), PoolConfig(population=N, num_workers=1, mode="sync", max_attempts=5))
+    pool = RayRolloutPool(coord, store, ActorSpec(crashing_replica, num_cpus=1), max_restarts=2)
+    try:
+        with pytest.raises(RuntimeError, match="3 actors died"):
+            pool.run_until(1, timeout=60)
+        assert pool.slots[0].started == 3 and list(coord.outcomes.values()) == ["failed"] * 3
+    finally:
+        pool.shutdown()
+    assert pool.slots[0].handle is None

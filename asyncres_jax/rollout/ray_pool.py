@@ -131,6 +131,8 @@ class ReplicaActor:
             params = self.params
         elif kind == "replay":
             start, seeds_us, shaped_us = payload
+            if s.replay is None:
+                raise RuntimeError("the driver's store replays updates but this replica's build() gave no replay")
             if self.version != start:
                 raise RuntimeError(f"actor holds version {self.version}, replay starts at {start}")
             params = self.params
@@ -197,9 +199,11 @@ class RayRolloutPool:
         clock: Callable[[], float] = time.monotonic,
         poll_seconds: float = 0.05,
         owns_ray: bool = False,
+        max_restarts: int = MAX_RESTARTS,
     ):
-        """owns_ray: shutdown() also ends the Ray connection (the pool started it)."""
-        self._ray, self.owns_ray = _import_ray(), owns_ray
+        """owns_ray: shutdown() also ends the Ray connection (the pool started it). max_restarts: replacement
+        actors started over the pool's life before it stops with the last death's error."""
+        self._ray, self.owns_ray, self.max_restarts = _import_ray(), owns_ray, max_restarts
         n = coordinator.config.num_workers if num_actors is None else num_actors
         if n != coordinator.config.num_workers:
             raise ValueError(f"{n} actors != num_workers={coordinator.config.num_workers} (one job per actor)")
@@ -256,26 +260,30 @@ class RayRolloutPool:
             self.coordinator.drain()
             self._stop = True
             self._cond.notify_all()
+        alive = False
         if self._thread is not None:
             self._thread.join(timeout)
             alive = self._thread.is_alive()
-            self._thread = None
-            if alive:
-                raise TimeoutError(f"ray rollout pool: the driver loop still runs after {timeout}s")
-        closing = [s.handle.close.remote() for s in self.slots if s.handle is not None and s.ready_ref is None
-                   and s.attempt is None]
-        if closing:
-            self._ray.wait(closing, num_returns=len(closing), timeout=10)
+        try:  # idle actors close their replica (sandboxes); busy ones are killed with the rest
+            closing = [s.handle.close.remote() for s in self.slots
+                       if s.handle is not None and s.ready_ref is None and s.attempt is None] if not alive else []
+            if closing:
+                self._ray.wait(closing, num_returns=len(closing), timeout=10)
+        finally:
+            for slot in self.slots:
+                if slot.handle is not None:
+                    self._ray.kill(slot.handle)
+            if self.owns_ray:
+                self._ray.shutdown()
+                self.owns_ray = False
+        if alive:
+            raise TimeoutError(f"ray rollout pool: the driver loop still ran after {timeout}s; actors killed")
+        self._thread = None
         for slot in self.slots:
-            if slot.handle is not None:
-                self._ray.kill(slot.handle)
             slot.handle, slot.ready_ref, slot.attempt = None, None, None
         self._running.clear()
         self._params_at.clear()
         self._refs_at.clear()
-        if self.owns_ray:
-            self._ray.shutdown()
-            self.owns_ray = False
 
     # ---------------------------------------------------------------- actors
     def _start_actor(self, slot: ActorSlot) -> None:
@@ -287,7 +295,7 @@ class RayRolloutPool:
 
     def _replace(self, slot: ActorSlot, error: BaseException) -> None:
         self.restarts += 1
-        if self.restarts > MAX_RESTARTS:
+        if self.restarts > self.max_restarts:
             raise RuntimeError(f"ray rollout pool: {self.restarts} actors died; last: {error}") from error
         try:
             self._ray.kill(slot.handle)
