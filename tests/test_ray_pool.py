@@ -42,8 +42,7 @@ CRASH_JOB = N + 1  # version 1, member 1: the replacement actor must replay upda
 def cluster():
     # Actors unpickle this module's build function by value: tests/ is not importable in a Ray worker.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False,
-             configure_logging=False)
+    assert ray_pool.connect(num_cpus=4)  # a local cluster: 2 actors, a replacement, room to spare
     try:
         yield
     finally:

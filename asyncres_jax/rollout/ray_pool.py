@@ -89,6 +89,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, object_stor
     ray = _import_ray()
     if ray.is_initialized():
         return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a training run does not report usage (set 1 to allow)
     kw: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if not address:
         kw.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 2**20)
