@@ -252,3 +252,11 @@ def test_actors_that_keep_dying_stop_the_pool_with_the_error(cluster):
     finally:
         pool.shutdown()
     assert pool.slots[0].handle is None
+
+
+def test_actors_the_cluster_cannot_hold_are_refused_not_left_pending(cluster, capsys, tmp_path):
+    code = train.main([f"run_dir={tmp_path / 'run'}", "model.name=tiny", "tasks.dataset=fake", "es.population=6",
+                       "pool.backend=ray", "pool.ray_actors=2", "pool.ray_gpus_per_actor=1"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("error: 2 rollout actors need 2 GPUs but the Ray cluster has 4 CPUs and 0 GPUs")
+    assert ray.is_initialized()  # the cluster the trainer did not start is left running

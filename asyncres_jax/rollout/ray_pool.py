@@ -22,6 +22,7 @@ to each job's version from the log like any other actor.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -506,8 +507,19 @@ def trainer_pool(cfg, coordinator: Coordinator, store: ParamStore, *,
     from asyncres_jax.config import to_yaml
 
     check_config(cfg)
-    owns = connect(cfg.pool.ray_address or None, num_cpus=None)
-    env = dict(CPU_ENV) if cfg.pool.ray_gpus_per_actor == 0 else {}
-    spec = ActorSpec(functools.partial(build_trainer_replica, to_yaml(cfg)), num_cpus=cfg.pool.ray_cpus_per_actor,
-                     num_gpus=cfg.pool.ray_gpus_per_actor, env=env, jax_config=driver_jax_config())
+    p, n = cfg.pool, coordinator.config.num_workers
+    need = {"CPU": n * p.ray_cpus_per_actor, "GPU": n * p.ray_gpus_per_actor}
+    # A local cluster's CPUs are logical: give it at least one per actor, so no actor waits for a free one.
+    owns = connect(p.ray_address or None, num_cpus=max(os.cpu_count() or 1, math.ceil(need["CPU"])))
+    have = _import_ray().cluster_resources()
+    short = [f"{need[k]:g} {k}s" for k in need if need[k] > have.get(k, 0)]
+    if short:  # Ray would leave the actors pending forever: say so now
+        if owns:
+            _import_ray().shutdown()
+        raise UserError(f"{n} rollout actors need {' and '.join(short)} but the Ray cluster has "
+                        f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs; lower pool.ray_actors or "
+                        "pool.ray_cpus_per_actor / pool.ray_gpus_per_actor, or add nodes")
+    env = dict(CPU_ENV) if p.ray_gpus_per_actor == 0 else {}
+    spec = ActorSpec(functools.partial(build_trainer_replica, to_yaml(cfg)), num_cpus=p.ray_cpus_per_actor,
+                     num_gpus=p.ray_gpus_per_actor, env=env, jax_config=driver_jax_config())
     return RayRolloutPool(coordinator, store, spec, on_commit=on_commit, owns_ray=owns)
