@@ -51,13 +51,15 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, required=True, help="number of tasks")
     p.add_argument("--seed", type=int, default=0, help="generator seed (same seed, same tasks)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
+    p.add_argument("--families", nargs="+", default=[], metavar="FAMILY",
+                   help="generate only these families (default: all); an unknown name lists the known ones")
 
 
 @command("generate", "write procedurally generated tasks (Endless Terminals layout) and splits", _generate_args)
 def cmd_generate(args) -> int:
     from asyncres_jax.envs.generator import generate
 
-    splits = generate(args.out, args.n, args.seed, force=args.force)
+    splits = generate(args.out, args.n, args.seed, force=args.force, families=args.families)
     print(json.dumps({"out": str(args.out), **{k: len(v) for k, v in splits.items()}}))
     return 0
 

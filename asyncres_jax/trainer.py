@@ -188,6 +188,8 @@ def ensure_tasks(cfg: TrainConfig) -> pathlib.Path:
     log(f"generating {cfg.tasks.generate_n} tasks into {path} (seed {cfg.tasks.generate_seed})")
     cmd = [sys.executable, "-m", "asyncres_jax.tasks", "generate", "--out", str(path),
            "--n", str(cfg.tasks.generate_n), "--seed", str(cfg.tasks.generate_seed)]
+    if cfg.tasks.families:  # only the families the run uses
+        cmd += ["--families", *cfg.tasks.families]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -366,20 +368,13 @@ class ESTrainer:
         if not tasks:
             raise UserError(f"{dataset}/splits/{self.cfg.tasks.train_split}.txt lists no tasks")
         self.backend = make_backend(self.cfg)
-        episode_cfg = EpisodeConfig.from_sections(self.cfg.episode, self.cfg.sandbox)
-        import functools
-
-        from asyncres_jax.rollout.episodes import ModelPolicy
-
-        policy_kw = {"first_reply_prefix": self.cfg.episode.first_reply_prefix}
+        episode_cfg = EpisodeConfig.from_sections(self.cfg.episode, self.cfg.sandbox)  # with the policy's options
         if self.cfg.es.batched_population:
-            return self._cohort_job(tasks, episode_cfg, policy_kw)
-        policy = functools.partial(ModelPolicy.from_config, **policy_kw)
+            return self._cohort_job(tasks, episode_cfg)
         return episode_job_fn(self.model, tasks, self.backend, episode_cfg, self.es_cfg, global_seed=self.cfg.seed,
-                              tasks_per_member=self.cfg.es.tasks_per_member, fitness=self.cfg.episode.fitness,
-                              policy_factory=policy)
+                              tasks_per_member=self.cfg.es.tasks_per_member, fitness=self.cfg.episode.fitness)
 
-    def _cohort_job(self, tasks, episode_cfg, policy_kw: dict):
+    def _cohort_job(self, tasks, episode_cfg):
         """Low-rank ES with the members a replica's workers hold played as one batch over one copy of W."""
         from asyncres_jax.rollout.cohort import JobBatcher, run_cohort
 
@@ -388,7 +383,7 @@ class ESTrainer:
         def batch_fn(jobs, params):
             batch = task_batch(tasks, cfg.seed, jobs[0].dispatch_version, cfg.es.tasks_per_member)
             return run_cohort(engine_for(params), params, jobs, batch, self.backend, episode_cfg, self.es_cfg,
-                              fitness=cfg.episode.fitness, policy_kw=policy_kw)
+                              fitness=cfg.episode.fitness)
         return JobBatcher(batch_fn, max_batch=cfg.pool.workers_per_replica)
 
     # -- checkpoints -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from asyncres_jax.envs.dockerfile import parse_dockerfile
 from asyncres_jax.envs.generator import DIFFICULTIES, FAMILIES, generate, split_sizes
 from asyncres_jax.envs.generator.spec import write_task
 from asyncres_jax.envs.task import load_dataset, load_split, read_split
+from asyncres_jax.errors import UserError
 
 
 def tree_digest(root: pathlib.Path) -> str:
@@ -121,3 +122,13 @@ def test_cli_generate_and_list(tmp_path):
     assert again.returncode == 2 and again.stderr.startswith("error: ") and again.stderr.count("\n") == 1
     bad = run_cli("check", str(tmp_path / "nowhere"), "--noop")
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_generation_can_be_restricted_to_some_families(tmp_path):
+    splits = generate(tmp_path / "ds", 40, seed=3, families=["basics", "rename"])
+    tasks = load_dataset(tmp_path / "ds")
+    assert {t.family for t in tasks} == {"basics", "rename"} and sum(map(len, splits.values())) == 40
+    for split, names in splits.items():  # each task sits in the split its combination belongs to
+        assert all(t.metadata["split"] == split for t in tasks if t.name in names)
+    with pytest.raises(UserError, match="unknown task families"):
+        generate(tmp_path / "other", 4, seed=3, families=["nope"])

@@ -13,6 +13,7 @@ import hashlib
 import pathlib
 import random
 import shutil
+from typing import Sequence
 
 from asyncres_jax.envs.generator.families import FAMILIES, Family
 from asyncres_jax.envs.generator.spec import Spec, write_task
@@ -56,12 +57,12 @@ def draw(seed: int, index: int, split: str, fam: Family, difficulty: str) -> tup
     raise LookupError(f"no {split} combination of {fam.name}/{difficulty} in {MAX_ATTEMPTS} draws")
 
 
-def plan(n: int, seed: int) -> list[tuple[str, str, str]]:
+def plan(n: int, seed: int, families: Sequence[str] = ()) -> list[tuple[str, str, str]]:
     """(split, family, difficulty) per task index: splits interleaved, families and tiers balanced."""
     rng = random.Random(f"asyncres-plan:{seed}")
     splits = [s for s, k in split_sizes(n).items() for _ in range(k)]
     rng.shuffle(splits)
-    fams = sorted(FAMILIES)
+    fams = sorted(families or FAMILIES)
     out, counters = [], {s: rng.randrange(len(fams) * 3) for s in FRACTIONS}
     for s in splits:
         c = counters[s]
@@ -70,10 +71,15 @@ def plan(n: int, seed: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def generate(out: str | pathlib.Path, n: int, seed: int, *, force: bool = False) -> dict[str, list[str]]:
-    """Write n tasks and DIR/splits/{train,val,test}.txt; returns the split lists."""
+def generate(out: str | pathlib.Path, n: int, seed: int, *, force: bool = False,
+             families: Sequence[str] = ()) -> dict[str, list[str]]:
+    """Write n tasks and DIR/splits/{train,val,test}.txt; returns the split lists. `families` (default all)
+    restricts the generator to those families; a combination's split does not depend on it."""
     if n < 1:
         raise UserError(f"--n must be at least 1, got {n}")
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise UserError(f"unknown task families {unknown}; choose from {sorted(FAMILIES)}")
     root = pathlib.Path(out)
     if root.exists() and any(root.iterdir()):
         if not force:
@@ -81,8 +87,8 @@ def generate(out: str | pathlib.Path, n: int, seed: int, *, force: bool = False)
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     splits: dict[str, list[str]] = {"train": [], "val": [], "test": []}
-    fams = sorted(FAMILIES)
-    for i, (split, fam_name, difficulty) in enumerate(plan(n, seed)):
+    fams = sorted(families or FAMILIES)
+    for i, (split, fam_name, difficulty) in enumerate(plan(n, seed, fams)):
         for k in range(len(fams)):  # a family with no combination in this split cedes to the next one
             fam = FAMILIES[fams[(fams.index(fam_name) + k) % len(fams)]]
             try:

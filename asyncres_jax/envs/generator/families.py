@@ -901,3 +901,61 @@ def _merge(rng, difficulty, variant):
         sol += f"\njoin -v 1 {folder}/emails.txt {folder}/cities.txt | cut -d' ' -f1 > missing.txt"
         checks.append(("missing", f"assert nonblank('missing.txt') == {missing!r}"))
     return Spec(instr, sol, checks, [a, b], outputs=["joined.txt"], params=(folder, tuple(sorted(ids))))
+
+
+# --- basic file operations ---------------------------------------------------------------------------------
+# One shell command per step with every path spelled out: the tier a ~100M-parameter model can sometimes solve
+# (the CPU default's calibration, docs/cpu_default.md). Medium and hard chain two and three such steps.
+
+BASIC_OPS = ("mkdir", "touch", "write", "copy", "move", "remove")
+
+
+def _basic_step(rng, op: str, taken: set) -> tuple[str, str, list, list[File], list[str], list[str], tuple]:
+    """(instruction sentence, solution line, checks, starting files, starting folders, outputs, params) of one
+    step; outputs are the paths the step creates (they must not exist before)."""
+    def fresh(ext: str = "") -> str:
+        name = rng.choice([w for w in WORDS if w not in taken])
+        taken.add(name)
+        return name + ext
+
+    if op == "mkdir":
+        d = fresh()
+        return (f"Create the directory /home/user/{d}.", f"mkdir {d}", [(f"{d}_is_dir", f"assert (HOME / {d!r}).is_dir()"), (f"{d}_is_empty", f"assert os.listdir(HOME / {d!r}) == []")],
+                [], [], [d], (op, d))
+    if op == "touch":
+        f = fresh(".txt")
+        return (f"Create an empty file /home/user/{f}.", f"touch {f}",
+                [(f"{f[:-4]}_is_file", f"assert (HOME / {f!r}).is_file()"), (f"{f[:-4]}_is_empty", f"assert text({f!r}) == ''")],
+                [], [], [f], (op, f))
+    if op == "write":
+        f, word = fresh(".txt"), rng.choice(WORDS)
+        return (f"Write the word {word} to the file /home/user/{f}.", f"echo {word} > {f}",
+                [(f"{f[:-4]}_is_file", f"assert (HOME / {f!r}).is_file()"), (f"{f[:-4]}_has_word", f"assert text({f!r}).strip() == {word!r}")],
+                [], [], [f], (op, f, word))
+    src = File(fresh(".log" if op == "remove" else ".txt"), lines_text([sentence(rng)]))
+    if op == "copy":
+        dst = fresh(".txt")
+        return (f"Copy /home/user/{src.path} to /home/user/{dst}.", f"cp {src.path} {dst}",
+                [(f"{dst[:-4]}_is_copy", f"assert text({dst!r}) == {src.text!r}"), unchanged(src.path, src.text, f"{src.path[:-4]}_kept")],
+                [src], [], [dst], (op, src.path, dst))
+    if op == "move":
+        d = fresh()
+        return (f"Move /home/user/{src.path} into the directory /home/user/{d}.", f"mv {src.path} {d}/",
+                [(f"{src.path[:-4]}_moved", f"assert text({d + '/' + src.path!r}) == {src.text!r}"),
+                 (f"{src.path[:-4]}_gone", f"assert not (HOME / {src.path!r}).exists()")], [src], [d], [], (op, src.path, d))
+    other = File(src.path[:-4] + ".txt", lines_text([sentence(rng)]))  # the file beside it stays
+    return (f"Delete the file /home/user/{src.path}.", f"rm {src.path}",
+            [(f"{src.path[:-4]}_deleted", f"assert not (HOME / {src.path!r}).exists()"),
+             unchanged(other.path, other.text, f"{other.path[:-4]}_kept")], [src, other], [], [], (op, src.path))
+
+
+@family("basics", "files", BASIC_OPS, held_out=("write",))
+def _basics(rng, difficulty, variant):
+    n = {"easy": 1, "medium": 2, "hard": 3}[difficulty]
+    others = BASIC_OPS if variant == "write" else tuple(op for op in BASIC_OPS if op != "write")  # held out
+    ops = [variant] + [rng.choice(others) for _ in range(n - 1)]
+    taken: set = set()
+    steps = [_basic_step(rng, op, taken) for op in ops]
+    instr = " Then ".join(s[0] if i == 0 else s[0][0].lower() + s[0][1:] for i, s in enumerate(steps))
+    return Spec(instr, "\n".join(s[1] for s in steps), [c for s in steps for c in s[2]], [f for s in steps for f in s[3]],
+                dirs=[d for s in steps for d in s[4]], outputs=[o for s in steps for o in s[5]], params=tuple(s[6] for s in steps))
