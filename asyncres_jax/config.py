@@ -78,6 +78,8 @@ class EpisodeSection:
     fitness: str = opt("binary", "per-episode score: binary (tests pass) or partial (fraction of tests)")
     first_reply_prefix: str = opt("", "text every episode's first reply starts with, e.g. '<command>' (steers a "
                                       "small model that ignores the tag format into running a command)")
+    command_per_line: bool = opt(False, "scaffold for small models: every reply is '<command>' (given) + one "
+                                        "generated line, closed by the harness; a line saying done ends the episode")
 
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "episode_timeout_s", "command_timeout_s"):

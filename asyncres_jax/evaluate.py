@@ -262,7 +262,7 @@ def evaluate_params(cfg, model, params, split: str, n_tasks: int, backend, *, ou
     t = time.monotonic()
     seeds = list(cfg.eval.seeds if seeds is None else seeds)
     sample_path = out_dir / f"{split}_{tag}_transcripts.txt" if out_dir is not None else None
-    policy = ModelPolicy.from_config(engine, params, episode_cfg, first_reply_prefix=cfg.episode.first_reply_prefix)
+    policy = ModelPolicy.from_config(engine, params, episode_cfg)
     episodes = run_evaluation(policy, tasks, backend, episode_cfg, seeds, transcripts=sample_path)
     seconds = time.monotonic() - t
     r = report(episodes, split=split, seconds=seconds, tokens_per_second=sum(e.tokens for e in episodes) / seconds,

@@ -123,3 +123,24 @@ def test_long_episodes_stay_within_the_engines_rolling_context(model):
         prompt = engine.encode(model.chat_prompt(r.transcript[:2]))
         assert len(r.tokens.ids) < 1536 and r.tokens.ids[:len(prompt)].tolist() == prompt
         assert r.tokens.generated_mask.sum() > 0
+
+
+def test_command_per_line_gives_every_reply_one_command_and_its_opening_tag(model):
+    engine = Engine(model, context_limit=2048)
+    cfg = EpisodeConfig(max_turns=3, max_new_tokens=6, command_per_line=True)
+    policy = ModelPolicy.from_config(engine, model.params, cfg)
+    assert policy.command_per_line and "\n" in policy.stop and policy.first_reply_prefix == "<command>"
+    results = run_episodes(policy, tasks(3), FakeBackend(), cfg, seed=5)
+    opener = engine.encode("<command>")
+    for r in results:
+        replies = [m["content"] for m in r.transcript if m["role"] == "assistant"]
+        assert len(replies) == r.turns == 3
+        for reply in replies:  # the harness closed the tag: one line, one command
+            assert reply == "<action>done</action>" or (
+                reply.startswith("<command>") and reply.endswith("</command>") and "\n" not in reply)
+        # every reply's generated tokens follow the opening tag, which is prompt, not generation
+        ids, mask = r.tokens.ids, r.tokens.generated_mask
+        starts = [k for k in range(1, len(mask)) if mask[k] and not mask[k - 1]]
+        assert len(starts) == 3
+        for k in starts:
+            assert list(ids[k - len(opener):k]) == opener and not mask[k - len(opener):k].any()

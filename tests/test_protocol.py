@@ -101,3 +101,17 @@ def test_first_messages_and_prompt_rules():
     for rule in ("<think>", "<command>", "<action>done</action>", "non-interactive", "/home/user"):
         assert rule in prompt
     assert "<command></command>" in NUDGE and "<action>done</action>" in NUDGE
+
+
+@pytest.mark.parametrize("line, reply", [
+    ("mv a.txt b.txt\n", "<command>mv a.txt b.txt</command>"),
+    ("rm x.log\n\nThis command deletes the file.", "<command>rm x.log</command>"),  # prose after the line is cut
+    ("ls -la</command>", "<command>ls -la</command>"),  # a model that does close the tag
+    ("done\n", "<action>done</action>"),
+    ("<action>done</action>", "<action>done</action>"),
+    ("\nprose on the next line", "<command></command>"),  # an empty line is no command: the parser nudges
+])
+def test_command_per_line_scaffold_closes_one_line(line, reply):
+    assert protocol.close_command_line(line) == reply
+    assert parse_reply(reply) == (Reply("done") if "done" in reply else
+                                  Reply("command", reply[9:-10]) if reply[9:-10] else Reply("invalid"))

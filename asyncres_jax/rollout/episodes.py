@@ -39,6 +39,8 @@ class EpisodeConfig:
     temperature: float = 0.6
     top_p: float = 1.0
     max_workers: int = 16  # threads starting sandboxes, running commands and grading at once
+    first_reply_prefix: str = ""  # text the first reply starts with, put in the prompt (ModelPolicy)
+    command_per_line: bool = False  # the one-command-per-line scaffold for small models (ModelPolicy)
 
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "output_cap", "max_workers"):
@@ -177,19 +179,31 @@ class ModelPolicy(Policy):
     first_reply_prefix (default none) is text the first reply starts with, put after the prompt instead of
     generated (e.g. "<command>"): it steers a small model that ignores the format into running a command once.
     It belongs to the prompt in the token state and is prepended to the first reply the parser sees.
+
+    command_per_line is a scaffold for models too small to keep the tag format (SmolLM2-135M writes a command
+    and then prose, never `</command>`): every reply starts with "<command>" in the prompt, generation stops at
+    the end of the first line, and the harness closes the tag, so each reply is exactly one command; a line
+    that says `done` (or `<action>done</action>`) ends the episode. The token state holds what the model saw
+    and wrote (the prefix as prompt, the line and its newline as generated).
     """
 
     def __init__(self, engine, params, *, max_new_tokens: int = 2048, sampling: Any = None,
                  stop: Sequence[str] = protocol.STOP_STRINGS,
-                 perturbation_fn: Callable[[list[int]], Any] | None = None, first_reply_prefix: str = ""):
+                 perturbation_fn: Callable[[list[int]], Any] | None = None, first_reply_prefix: str = "",
+                 command_per_line: bool = False):
         self.engine, self.params, self.max_new_tokens = engine, params, max_new_tokens
         self.sampling, self.stop, self.perturbation_fn = sampling, tuple(stop), perturbation_fn
+        self.command_per_line = command_per_line
+        if command_per_line:
+            self.stop = tuple(dict.fromkeys(self.stop + ("\n",)))
+            first_reply_prefix = protocol.COMMAND_OPEN
         self.first_reply_prefix = first_reply_prefix
 
     @classmethod
     def from_config(cls, engine, params, cfg: EpisodeConfig, **kw) -> "ModelPolicy":
         from asyncres_jax.model.sampling import Sampling
 
+        kw = {"first_reply_prefix": cfg.first_reply_prefix, "command_per_line": cfg.command_per_line, **kw}
         return cls(engine, params, max_new_tokens=cfg.max_new_tokens,
                    sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p), **kw)
 
@@ -231,9 +245,15 @@ class _ModelBatch(PolicyBatch):
             self.conv = engine.extend(self.conv, [list(staying[r]) if r in staying else None for r in self.rows])
             if rows != self.rows:
                 self.rows, self.pert = rows, p.perturbation(rows)
+            if p.command_per_line:  # the next reply opens its command tag as prompt, like the first one
+                opener = engine.encode(protocol.COMMAND_OPEN)
+                self.conv = engine.extend_tokens(self.conv, [opener] * len(self.rows))
+                self.prefix = protocol.COMMAND_OPEN
         self.conv, texts = engine.generate(p.params, self.conv, p.max_new_tokens, p.sampling, p.stop,
                                            perturbation=self.pert)
         prefix, self.prefix = self.prefix, ""
+        if p.command_per_line:
+            return [protocol.close_command_line(t) for t in texts]
         return [prefix + t for t in texts]
 
     def token_states(self):

@@ -42,7 +42,8 @@ STOP_STRINGS = ("</command>", "</action>")
 
 _THINK_PAIR_RE = re.compile(r"<think>(?:(?!<think>).)*?</think>", re.DOTALL)
 _DONE_RE = re.compile(r"<action>\s*done\s*</action>", re.IGNORECASE)
-_OPEN, _CLOSE = "<command>", "</command>"
+COMMAND_OPEN, COMMAND_CLOSE = "<command>", "</command>"
+_OPEN, _CLOSE = COMMAND_OPEN, COMMAND_CLOSE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,17 @@ def parse_reply(text: str) -> Reply:
             if command:
                 return Reply("command", command)
     return Reply("invalid")
+
+
+def close_command_line(line: str) -> str:
+    """The reply of the one-command-per-line scaffold (ModelPolicy.command_per_line): what the model wrote after
+    the "<command>" it was given, up to the end of its line, as a well-formed reply; `done` ends the episode."""
+    line = line.split("\n", 1)[0]
+    if COMMAND_CLOSE in line:
+        line = line[:line.index(COMMAND_CLOSE)]
+    if line.strip().lower() in ("done", "<action>done</action>"):
+        return "<action>done</action>"
+    return f"{COMMAND_OPEN}{line}{COMMAND_CLOSE}"
 
 
 def observation(result: CommandResult, timeout_s: float, cap: int = OUTPUT_CAP) -> str:
