@@ -225,10 +225,8 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> T
     merged = OmegaConf.structured(TrainConfig)
     try:
         if path is not None:
-            path = pathlib.Path(path)
-            if not path.is_file():
-                raise UserError(f"config file {path} does not exist; see configs/ for the shipped ones")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            for layer in _config_layers(pathlib.Path(path)):
+                merged = OmegaConf.merge(merged, layer)
         for item in overrides:
             if "=" not in item:
                 raise UserError(f"override {item!r} is not key=value, e.g. es.population=8")
@@ -236,6 +234,20 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> T
         return OmegaConf.to_object(merged)
     except omegaconf.errors.OmegaConfBaseException as e:
         raise UserError(_one_line(e)) from None
+
+
+def _config_layers(path: pathlib.Path, seen: tuple = ()) -> list:
+    """The YAML file and, first, the files it builds on: a top-level `base: OTHER.yaml` (relative to the file)
+    is loaded underneath it, so a study's configs state only how they differ from a shared one."""
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist; see configs/ for the shipped ones")
+    if path.resolve() in seen:
+        raise UserError(f"config file {path} builds on itself through `base:`; remove the cycle")
+    layer = OmegaConf.load(path)
+    base = layer.pop("base", None)
+    if base is None:
+        return [layer]
+    return _config_layers(path.parent / str(base), seen + (path.resolve(),)) + [layer]
 
 
 def _one_line(e: Exception) -> str:

@@ -64,3 +64,17 @@ def test_every_option_is_documented():
     options = [line for line in lines if not line.startswith("#")]
     assert len(options) > 40
     assert all(line.split("  # ", 1)[1].strip() for line in options)
+
+
+def test_a_config_builds_on_its_base(tmp_path):
+    (tmp_path / "shared.yaml").write_text("es:\n  population: 10\n  updates: 12\npool:\n  mode: async\n")
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "sync.yaml").write_text("base: ../shared.yaml\npool:\n  mode: sync\n")
+    cfg = load_config(tmp_path / "study" / "sync.yaml", ["es.updates=3"])
+    assert (cfg.es.population, cfg.pool.mode, cfg.es.updates) == (10, "sync", 3)  # base <- file <- overrides
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(UserError, match="builds on itself"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "orphan.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(UserError, match="missing.yaml does not exist"):
+        load_config(tmp_path / "orphan.yaml")
