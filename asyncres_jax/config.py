@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import omegaconf
 from omegaconf import OmegaConf
@@ -180,11 +180,15 @@ class EvalSection:
     test_tasks: int = opt(300, "test tasks evaluated at the end (tiers balanced)")
     seeds: list[int] = opt([42, 43, 44], "sampling seeds of held-out evaluation")
     val_seeds: list[int] = opt([], "sampling seeds of the periodic validation (empty = eval.seeds)")
+    temperature: Optional[float] = opt(None, "sampling temperature of held-out evaluation (empty = "
+                                             "episode.temperature)")
 
     def __post_init__(self):
         _positive("eval", "every", self.every, allow_zero=True)
         if not self.seeds:
             raise UserError("eval.seeds is empty; give at least one seed, e.g. eval.seeds=[42,43,44]")
+        if self.temperature is not None:
+            _positive("eval", "temperature", self.temperature, allow_zero=True)
 
 
 @dataclass

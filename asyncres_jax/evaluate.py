@@ -258,6 +258,8 @@ def evaluate_params(cfg, model, params, split: str, n_tasks: int, backend, *, ou
     if not tasks:
         raise UserError(f"{cfg.tasks.dataset}/splits/{split}.txt lists no tasks to evaluate")
     episode_cfg = EpisodeConfig.from_sections(cfg.episode, cfg.sandbox)
+    if cfg.eval.temperature is not None:  # e.g. greedy evaluation of a policy trained with sampling (GRPO)
+        episode_cfg = dataclasses.replace(episode_cfg, temperature=cfg.eval.temperature)
     engine = Engine(model, context_limit=episode_cfg.context_limit)
     t = time.monotonic()
     seeds = list(cfg.eval.seeds if seeds is None else seeds)
@@ -266,7 +268,7 @@ def evaluate_params(cfg, model, params, split: str, n_tasks: int, backend, *, ou
     episodes = run_evaluation(policy, tasks, backend, episode_cfg, seeds, transcripts=sample_path)
     seconds = time.monotonic() - t
     r = report(episodes, split=split, seconds=seconds, tokens_per_second=sum(e.tokens for e in episodes) / seconds,
-               temperature=cfg.episode.temperature)
+               temperature=episode_cfg.temperature)
     return r
 
 
@@ -303,9 +305,9 @@ def attach(trainer) -> None:
 
     def hook(t) -> None:
         v = t.store.version
-        if cfg.eval.every and (v % cfg.eval.every == 0 or v >= cfg.es.updates):
+        if cfg.eval.every and (v % cfg.eval.every == 0 or v >= trainer.total_updates):
             evaluate_now(val, cfg.eval.val_tasks, val_seeds)
-        if v >= cfg.es.updates:
+        if v >= trainer.total_updates:
             evaluate_now(test, cfg.eval.test_tasks, cfg.eval.seeds)
 
     def before(t) -> None:

@@ -274,6 +274,7 @@ class ESTrainer:
         self.backend = None
         self.drained_hooks: list[Callable[["ESTrainer"], None]] = []  # e.g. validation every eval.every updates
         self.before_run_hooks: list[Callable[["ESTrainer"], None]] = []  # e.g. validation of the base model
+        self.total_updates = cfg.es.updates  # what evaluation calls the end of the run
         fake = cfg.tasks.dataset == FAKE
         # Everything that can be wrong with the input fails here, before the run directory is touched.
         dataset = None if fake else pathlib.Path(distributed.on_main(lambda: str(ensure_tasks(cfg))))

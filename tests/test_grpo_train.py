@@ -13,6 +13,7 @@ import pytest
 from asyncres_jax import metrics
 from asyncres_jax.grpo.data import pack
 from asyncres_jax.config import load_config
+from asyncres_jax.evaluate import attach, read_evals
 from asyncres_jax.grpo.rollout import RecordingPolicy
 from asyncres_jax.grpo.step import policy_logprobs
 from asyncres_jax.grpo.trainer import GRPOTrainer
@@ -77,13 +78,14 @@ def tiny_config(run_dir, task_dir, *more):
         f"run_dir={run_dir}", f"tasks.dataset={task_dir}", "model.name=tiny", "mesh=4x2",
         "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.minibatch_size=2", "grpo.micro_batch_size=2",
         "grpo.lr=1e-3", "grpo.epochs=1", "episode.max_turns=2", "episode.max_new_tokens=6", "episode.context_limit=2048",
-        "eval.every=2", "eval.val_tasks=1", "eval.seeds=[42]", "checkpoint.every=1", *more])
+        "eval.every=2", "eval.val_tasks=1", "eval.test_tasks=1", "eval.seeds=[42]", "checkpoint.every=1", *more])
 
 
 def test_grpo_checkpoints_and_resumes(tmp_path, task_dir):
     """A resumed session starts from the saved parameters and optimiser state and carries on counting."""
-    cfg = tiny_config(tmp_path / "run", task_dir, "grpo.steps=1")
+    cfg = tiny_config(tmp_path / "run", task_dir, "grpo.steps=1", "eval.temperature=0")
     trainer = GRPOTrainer(cfg, backend=FakeBackend())
+    attach(trainer)
     try:
         trainer.run()
         saved = jax.tree.map(np.asarray, (trainer.learner.params, trainer.learner.opt_state))
@@ -91,6 +93,7 @@ def test_grpo_checkpoints_and_resumes(tmp_path, task_dir):
         trainer.close()
     trainer = GRPOTrainer(dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, steps=2)), resume=True,
                           backend=FakeBackend())
+    attach(trainer)
     try:
         restored = jax.tree.map(np.asarray, (trainer.learner.params, trainer.learner.opt_state))
         jax.tree.map(np.testing.assert_array_equal, saved, restored)
@@ -100,7 +103,12 @@ def test_grpo_checkpoints_and_resumes(tmp_path, task_dir):
     finally:
         trainer.close()
     records = metrics.read(tmp_path / "run")
-    assert [r["update"] for r in records] == [1, 2] and "val_score" in records[1] and "val_score" not in records[0]
+    assert [r["update"] for r in records] == [1, 2]
+    # held-out evaluation as in ES runs: the base model, then each session's last step; greedy (eval.temperature)
+    evals = read_evals(tmp_path / "run")
+    assert [(e["split"], e["update"]) for e in evals] == [("test", 0), ("test", 1), ("test", 2),
+                                                          ("val", 0), ("val", 1), ("val", 2)]
+    assert all(e["temperature"] == 0 for e in evals) and "compare" in evals[-1]
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["1", "2"]
 
 

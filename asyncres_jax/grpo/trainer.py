@@ -19,6 +19,7 @@ import datetime as dt
 import pathlib
 import threading
 import time
+import types
 from typing import Any, Callable
 
 import jax
@@ -68,6 +69,7 @@ class GRPOTrainer:
                  argv: list[str] | None = None, backend=None):
         from asyncres_jax import trainer as common  # the run directory, model, tasks and backend helpers
         from asyncres_jax.envs.task import load_split
+        from asyncres_jax.evaluate import filter_tasks
         from asyncres_jax.mesh import make_mesh
         from asyncres_jax.model import Model
         from asyncres_jax.model.generate import Engine
@@ -79,9 +81,14 @@ class GRPOTrainer:
         self._stop = threading.Event()
         self.backend = None
         self.step_hooks: list[Callable[["GRPOTrainer", dict], None]] = []  # after each step, with its record
+        # evaluation (asyncres_jax.evaluate.attach): the base model before the first step, then after steps
+        self.before_run_hooks: list[Callable[["GRPOTrainer"], None]] = []
+        self.drained_hooks: list[Callable[["GRPOTrainer"], None]] = []
+        self.total_updates = cfg.grpo.steps
         # Everything that can be wrong with the input fails here, before the run directory is touched.
         dataset = common.ensure_tasks(cfg)
-        self.tasks = load_split(dataset, cfg.tasks.train_split)
+        self.tasks = filter_tasks(load_split(dataset, cfg.tasks.train_split), cfg.tasks.families,
+                                  cfg.tasks.difficulties)
         if not self.tasks:
             raise UserError(f"{dataset}/splits/{cfg.tasks.train_split}.txt lists no tasks")
         self.dataset = dataset
@@ -129,15 +136,11 @@ class GRPOTrainer:
     def score(self, r) -> float:
         return r.partial if self.cfg.episode.fitness == "partial" else r.reward
 
-    def evaluate(self, split: str, n_tasks: int) -> float:
-        """Mean score over the first n_tasks of `split`, averaged over eval.seeds."""
-        from asyncres_jax.envs.task import load_split
-
-        tasks = load_split(self.dataset, split)[:n_tasks]
-        if not tasks:
-            raise UserError(f"{self.dataset}/splits/{split}.txt lists no tasks to evaluate")
-        means = [np.mean([self.score(r) for r in self.play(tasks, seed)[0]]) for seed in self.cfg.eval.seeds]
-        return float(np.mean(means))
+    @property
+    def store(self):
+        """What evaluation reads (asyncres_jax.evaluate.attach): the step reached as `version`, the learner's
+        float32 parameters as `params` (the ES trainer's parameter store has the same two fields)."""
+        return types.SimpleNamespace(version=self.step, params=self.learner.params)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -209,8 +212,6 @@ class GRPOTrainer:
             "rollout_seconds": t1 - t0, "train_seconds": time.monotonic() - t1,
             "elapsed_seconds": self.elapsed(), **stats,
         }
-        if cfg.eval.every and self.step % cfg.eval.every == 0:
-            record["val_score"] = self.evaluate(cfg.tasks.val_split, cfg.eval.val_tasks)
         return record
 
     def run(self) -> int:
@@ -224,11 +225,16 @@ class GRPOTrainer:
                         f" step {self.step} -> {cfg.grpo.steps}, {cfg.grpo.prompts_per_step} tasks x "
                         f"{cfg.grpo.group_size} episodes")
         saved = self.step
+        for hook in self.before_run_hooks:
+            hook(self)
         while self.step < cfg.grpo.steps and not self._stop.is_set():
             record = self.train_step()
             self.metrics.write(record)
             for hook in self.step_hooks:
                 hook(self, record)
+            if not self._stop.is_set():  # a stop request ends the session quickly: no evaluation now
+                for hook in self.drained_hooks:
+                    hook(self)
             self.common.log(f"step {self.step}/{cfg.grpo.steps}: reward {record['reward_mean']:.3f}, "
                             f"kl {record.get('kl', 0):.4f}, clip {record.get('clip_fraction', 0):.3f}, "
                             f"{record['rollout_seconds']:.1f} s rollout + {record['train_seconds']:.1f} s train")
@@ -257,8 +263,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ha
     """The `algo: grpo` entry point of the training program (same arguments as trainer.train)."""
     from asyncres_jax.trainer import run_to_end
 
+    from asyncres_jax.evaluate import attach
+
     trainer = GRPOTrainer(cfg, resume=resume, overwrite=overwrite, argv=argv, devices=devices)
     try:
+        attach(trainer)  # the same held-out evaluation as ES: base, every eval.every steps, test at the end
         run_to_end(trainer, handle_signals)
     finally:
         trainer.close()
