@@ -9,8 +9,10 @@ several runs on one chart:
     fitness.png             cohort fitness (mean, min-max band) vs update
     staleness.png           histogram of the staleness of the accepted results, per run
     utilization.png         worker utilisation per update
---table FILE writes (and prints) a markdown table: run, updates, first/last validation success, test success
-with its CI, wall time and tokens/s.
+--table FILE writes (and prints) a markdown table in the paper's form: the base model, then per run its updates,
+rollouts, test success with its CI and per-seed values, the paired difference from the base model, first/last
+validation success, wall time and tokens/s. In a FILE that has the lines `<!-- plot --table: begin -->` and
+`<!-- plot --table: end -->`, only the table between them is replaced (docs/results.md).
 """
 
 from __future__ import annotations
@@ -151,23 +153,53 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def _seeds(e: dict) -> str:
+    per = e.get("per_seed") or {}
+    return " / ".join(_pct(v) for v in per.values()) if len(per) > 1 else "-"
+
+
 def table(runs: list[dict]) -> str:
-    """One markdown row per run."""
-    lines = ["| run | updates | validation: first -> last | test success [95% CI] | wall time | tokens/s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    """One markdown row per run, in the paper's form: held-out test success after the run (95% Wilson CI over
+    episodes, the per-seed values), the paired difference from the base model on the same episodes, rollouts and
+    wall-clock. A first row gives the base model (the update-0 test evaluation, shared by the runs)."""
+    lines = ["| run | updates | rollouts | test success [95% CI] | per seed | vs base (paired) | "
+             "validation: first -> last | wall time | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    base = next((e for run in runs for e in run["evals"] if e["split"] == "test" and e["update"] == 0), None)
+    if base is not None:
+        lines.append(f"| base model | 0 | 0 | {_pct(base['success'])} [{_pct(base['wilson'][0])}, "
+                     f"{_pct(base['wilson'][1])}] | {_seeds(base)} | - | - | - | - |")
     for run in runs:
         u, val = run["updates"], [e for e in run["evals"] if e["split"] == "val"]
-        test = [e for e in run["evals"] if e["split"] == "test"]
+        test = [e for e in run["evals"] if e["split"] == "test" and e["update"] > 0]
         seconds = max([r["elapsed_seconds"] for r in u] + [e.get("elapsed_seconds", 0) for e in run["evals"]],
                       default=0.0)
-        busy = sum(r["update_seconds"] for r in u)
+        busy = sum(r.get("update_seconds", r.get("rollout_seconds", 0) + r.get("train_seconds", 0)) for r in u)
         tok_s = sum(r["tokens"] for r in u) / busy if busy else 0.0
         first_last = f"{_pct(val[0]['success'])} -> {_pct(val[-1]['success'])}" if val else "n/a"
         t = test[-1] if test else None
-        test_s = f"{_pct(t['success'])} [{_pct(t['ci'][0])}, {_pct(t['ci'][1])}]" if t else "n/a"
-        lines.append(f"| {run['name']} | {u[-1]['update'] if u else 0} | {first_last} | {test_s} | "
-                     f"{seconds / 60:.1f} min | {tok_s:.0f} |")
+        test_s = f"{_pct(t['success'])} [{_pct(t['wilson'][0])}, {_pct(t['wilson'][1])}]" if t else "n/a"
+        c = (t or {}).get("compare")
+        vs = f"{100 * c['difference']:+.1f} pts (p = {c['p_value']:.2f})" if c else "n/a"
+        lines.append(f"| {run['name']} | {u[-1]['update'] if u else 0} | {sum(r.get('episodes', 0) for r in u)} | "
+                     f"{test_s} | {_seeds(t) if t else '-'} | {vs} | {first_last} | {seconds / 60:.1f} min | "
+                     f"{tok_s:.0f} |")
     return "\n".join(lines)
+
+
+TABLE_BEGIN, TABLE_END = "<!-- plot --table: begin -->", "<!-- plot --table: end -->"
+
+
+def write_table(path: pathlib.Path, md: str) -> None:
+    """Write the table to `path`; in a file that already has the begin/end markers, replace only what is
+    between them (so docs/results.md keeps its text around a regenerated table)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text() if path.is_file() else ""
+    if TABLE_BEGIN in old and TABLE_END in old:
+        head, rest = old.split(TABLE_BEGIN, 1)
+        path.write_text(f"{head}{TABLE_BEGIN}\n{md}\n{TABLE_END}{rest.split(TABLE_END, 1)[1]}")
+    else:
+        path.write_text(md + "\n")
 
 
 def _main(argv: list[str]) -> int:
@@ -187,8 +219,7 @@ def _main(argv: list[str]) -> int:
         print(path)
     if ns.table:
         md = table(runs)
-        pathlib.Path(ns.table).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(ns.table).write_text(md + "\n")
+        write_table(pathlib.Path(ns.table), md)
         print(md)
     return 0
 

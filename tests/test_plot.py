@@ -23,31 +23,39 @@ def fake_run(root, name, n_updates, stale_share, val, test):
     with open(run / "eval.jsonl", "w") as f:
         for split, rows in (("val", val), ("test", test)):
             for u, s in rows:
+                compare = {"difference": s - 0.1, "p_value": 0.04} if split == "test" and u else None
                 f.write(json.dumps({"split": split, "update": u, "success": s, "ci": [s - 0.1, s + 0.1],
-                                    "elapsed_seconds": 30.0 * u}) + "\n")
+                                    "wilson": [s - 0.12, s + 0.12], "per_seed": {"42": s - 0.02, "43": s + 0.02},
+                                    "elapsed_seconds": 30.0 * u, **({"compare": compare} if compare else {})}) + "\n")
     return run
 
 
 @pytest.fixture
 def runs(tmp_path):
-    a = fake_run(tmp_path, "sync", 4, 99, [(0, 0.2), (2, 0.25), (4, 0.3)], [(4, 0.28)])
-    b = fake_run(tmp_path, "async1", 4, 2, [(0, 0.2), (2, 0.3), (4, 0.35)], [(4, 0.33)])
+    a = fake_run(tmp_path, "sync", 4, 99, [(0, 0.2), (2, 0.25), (4, 0.3)], [(0, 0.1), (4, 0.28)])
+    b = fake_run(tmp_path, "async1", 4, 2, [(0, 0.2), (2, 0.3), (4, 0.35)], [(0, 0.1), (4, 0.33)])
     return a, b
 
 
 def test_plot_writes_every_chart_for_several_runs(runs, tmp_path, capsys):
     out = tmp_path / "plots"
+    results = tmp_path / "results.md"  # a document with a table to regenerate between the markers
+    results.write_text(f"# Results\n\ntext before\n{plot.TABLE_BEGIN}\nold table\n{plot.TABLE_END}\ntext after\n")
     assert plot.main([str(runs[0]), str(runs[1]), "--out", str(out), "--labels", "Sync", "Async-1",
-                      "--table", str(tmp_path / "results.md")]) == 0
+                      "--table", str(results)]) == 0
     import matplotlib.image as mpimg
 
     for name in plot.FILES:
         png = out / name
         assert png.stat().st_size > 5000, name
         assert mpimg.imread(png).shape[0] > 100  # decodes as an image
-    table = (tmp_path / "results.md").read_text()
-    assert "| Sync | 4 | 20.0% -> 30.0% | 28.0% [18.0%, 38.0%] | 2.0 min | 100 |" in table
-    assert "| Async-1 | 4 | 20.0% -> 35.0% |" in table
+    table = results.read_text()
+    assert table.startswith("# Results\n\ntext before\n") and table.endswith("text after\n")
+    assert "old table" not in table
+    assert "| base model | 0 | 0 | 10.0% [-2.0%, 22.0%] | 8.0% / 12.0% | - |" in table
+    assert ("| Sync | 4 | 32 | 28.0% [16.0%, 40.0%] | 26.0% / 30.0% | +18.0 pts (p = 0.04) | 20.0% -> 30.0% | "
+            "2.0 min | 100 |") in table
+    assert "| Async-1 | 4 | 32 | 33.0% [21.0%, 45.0%] |" in table
     assert str(out / "fitness.png") in capsys.readouterr().out
 
 
