@@ -80,16 +80,21 @@ def test_help_config_documents_every_option(capsys):
 def test_every_shipped_config_is_valid_for_its_program():
     import glob
 
+    from asyncres_jax.grpo import trainer as grpo_trainer
     from asyncres_jax.mesh import parse_mesh
     from asyncres_jax.trainer import check_supported, es_config, pool_config
 
-    for path in sorted(glob.glob(str(REPO / "configs" / "*.yaml"))):
+    paths = sorted(glob.glob(str(REPO / "configs" / "**" / "*.yaml"), recursive=True))
+    assert any("/study/" in p for p in paths)
+    for path in paths:
         cfg = load_config(path)
         if cfg.algo == "es":
             check_supported(cfg)
             es_config(cfg)
             data, _ = parse_mesh(cfg.mesh)
             pool_config(cfg, data * cfg.pool.workers_per_replica)
+        else:
+            grpo_trainer.check_supported(cfg)
     cpu = load_config(REPO / "configs" / "smollm2_cpu.yaml")
     assert (cpu.model.name, cpu.sandbox.backend, cpu.pool.mode, cpu.pool.max_staleness) == (
         "smollm2-135m-instruct", "bwrap", "async", 1)

@@ -949,11 +949,10 @@ def _basic_step(rng, op: str, taken: set) -> tuple[str, str, list, list[File], l
              unchanged(other.path, other.text, f"{other.path[:-4]}_kept")], [src, other], [], [], (op, src.path))
 
 
-@family("basics", "files", BASIC_OPS, held_out=("write",))
+@family("basics", "files", BASIC_OPS)  # no held-out variant: every operation is in every split
 def _basics(rng, difficulty, variant):
     n = {"easy": 1, "medium": 2, "hard": 3}[difficulty]
-    others = BASIC_OPS if variant == "write" else tuple(op for op in BASIC_OPS if op != "write")  # held out
-    ops = [variant] + [rng.choice(others) for _ in range(n - 1)]
+    ops = [variant] + [rng.choice(BASIC_OPS) for _ in range(n - 1)]
     taken: set = set()
     steps = [_basic_step(rng, op, taken) for op in ops]
     instr = " Then ".join(s[0] if i == 0 else s[0][0].lower() + s[0][1:] for i, s in enumerate(steps))
