@@ -99,3 +99,10 @@ def test_every_shipped_config_is_valid_for_its_program():
     assert (cpu.model.name, cpu.sandbox.backend, cpu.pool.mode, cpu.pool.max_staleness) == (
         "smollm2-135m-instruct", "bwrap", "async", 1)
     assert cpu.tasks.generate_n > 0  # generated offline on the first run
+
+
+@pytest.mark.skipif(not pathlib.Path("/lib/x86_64-linux-gnu/libc.so.6").exists() and
+                    not pathlib.Path("/usr/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
+def test_training_caps_glibc_malloc_arenas():
+    # the training program calls this before starting threads (see train.limit_malloc_arenas for the why)
+    assert train.limit_malloc_arenas(8) is True
