@@ -153,6 +153,10 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def _success(e: dict) -> str:
+    return f"{_pct(e['success'])} [{_pct(e['wilson'][0])}, {_pct(e['wilson'][1])}]"
+
+
 def _seeds(e: dict) -> str:
     per = e.get("per_seed") or {}
     return " / ".join(_pct(v) for v in per.values()) if len(per) > 1 else "-"
@@ -167,8 +171,7 @@ def table(runs: list[dict]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = next((e for run in runs for e in run["evals"] if e["split"] == "test" and e["update"] == 0), None)
     if base is not None:
-        lines.append(f"| base model | 0 | 0 | {_pct(base['success'])} [{_pct(base['wilson'][0])}, "
-                     f"{_pct(base['wilson'][1])}] | {_seeds(base)} | - | - | - | - |")
+        lines.append(f"| base model | 0 | 0 | {_success(base)} | {_seeds(base)} | - | - | - | - |")
     for run in runs:
         u, val = run["updates"], [e for e in run["evals"] if e["split"] == "val"]
         test = [e for e in run["evals"] if e["split"] == "test" and e["update"] > 0]
@@ -178,7 +181,7 @@ def table(runs: list[dict]) -> str:
         tok_s = sum(r["tokens"] for r in u) / busy if busy else 0.0
         first_last = f"{_pct(val[0]['success'])} -> {_pct(val[-1]['success'])}" if val else "n/a"
         t = test[-1] if test else None
-        test_s = f"{_pct(t['success'])} [{_pct(t['wilson'][0])}, {_pct(t['wilson'][1])}]" if t else "n/a"
+        test_s = _success(t) if t else "n/a"
         c = (t or {}).get("compare")
         vs = f"{100 * c['difference']:+.1f} pts (p = {c['p_value']:.2f})" if c else "n/a"
         lines.append(f"| {run['name']} | {u[-1]['update'] if u else 0} | {sum(r.get('episodes', 0) for r in u)} | "

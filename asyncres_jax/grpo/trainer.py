@@ -261,9 +261,8 @@ class GRPOTrainer:
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, handle_signals: bool = False,
           argv: list[str] | None = None, devices=None) -> int:
     """The `algo: grpo` entry point of the training program (same arguments as trainer.train)."""
-    from asyncres_jax.trainer import run_to_end
-
     from asyncres_jax.evaluate import attach
+    from asyncres_jax.trainer import run_to_end
 
     trainer = GRPOTrainer(cfg, resume=resume, overwrite=overwrite, argv=argv, devices=devices)
     try:

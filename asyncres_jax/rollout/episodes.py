@@ -248,7 +248,6 @@ class _ModelBatch(PolicyBatch):
             if p.command_per_line:  # the next reply opens its command tag as prompt, like the first one
                 opener = engine.encode(protocol.COMMAND_OPEN)
                 self.conv = engine.extend_tokens(self.conv, [opener] * len(self.rows))
-                self.prefix = protocol.COMMAND_OPEN
         self.conv, texts = engine.generate(p.params, self.conv, p.max_new_tokens, p.sampling, p.stop,
                                            perturbation=self.pert)
         prefix, self.prefix = self.prefix, ""
