@@ -76,23 +76,23 @@ def same_episode(a, b) -> bool:
     return a.transcript == b.transcript and np.array_equal(a.tokens.ids, b.tokens.ids) and a.turns == b.turns
 
 
-PREFIX = dict(first_reply_prefix="<command>")  # so the random model's first reply runs as a command
+PREFIX = dict(first_reply_prefix="<command>")  # so the random model's first reply runs as a command (EpisodeConfig)
 
 
 def test_a_cohort_batch_plays_each_members_own_episodes(model, engine, materialised):
-    cfg = EpisodeConfig(max_turns=2, max_new_tokens=6, temperature=0.0)
+    cfg = EpisodeConfig(max_turns=2, max_new_tokens=6, temperature=0.0, **PREFIX)
     jobs = [Job(i, 3, i, s, 0, 17) for i, (s, _) in enumerate(MEMBERS)]  # member index 1 is the minus side
     batch = tasks(2)
-    cohort = play_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES, policy_kw=PREFIX)
+    cohort = play_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES)
     assert [len(m) for m in cohort] == [2, 2, 2]
     for i in range(len(MEMBERS)):
-        policy = ModelPolicy.from_config(engine, materialised[i], cfg, **PREFIX)
+        policy = ModelPolicy.from_config(engine, materialised[i], cfg)
         alone = run_episodes(policy, batch, FakeBackend(), cfg, seed=17)
         for together, own in zip(cohort[i], alone):
             assert same_episode(together, own), (i, together.transcript, own.transcript)
     assert not same_episode(cohort[1][0], cohort[2][0])  # members really play differently
 
-    results = run_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES, policy_kw=PREFIX)
+    results = run_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES)
     for member, r in zip(cohort, results):
         assert r.fitness == np.mean([e.reward for e in member]) and r.stats["batch_members"] == 3
         assert r.stats["tokens"] == sum(int(e.tokens.generated_mask.sum()) for e in member)
@@ -102,11 +102,11 @@ def test_a_cohort_batch_plays_each_members_own_episodes(model, engine, materiali
 def test_cohort_members_share_the_sampling_randomness_of_each_task(model, engine):
     """Common random numbers: members with the same noise play identical sampled episodes, and each task is
     sampled as when the member plays alone, while different tasks get different randomness."""
-    cfg = EpisodeConfig(max_turns=1, max_new_tokens=8, temperature=1.0)
+    cfg = EpisodeConfig(max_turns=1, max_new_tokens=8, temperature=1.0, **PREFIX)
     twins = [Job(0, 0, 0, SEEDS[1], 0, 23), Job(2, 0, 2, SEEDS[1], 0, 23)]
     batch = tasks(2)  # same instruction: only the sampling randomness can tell the tasks apart
-    together = play_cohort(engine, model.params, twins, batch, FakeBackend(), cfg, ES, policy_kw=PREFIX)
-    alone = play_cohort(engine, model.params, twins[:1], batch, FakeBackend(), cfg, ES, policy_kw=PREFIX)
+    together = play_cohort(engine, model.params, twins, batch, FakeBackend(), cfg, ES)
+    alone = play_cohort(engine, model.params, twins[:1], batch, FakeBackend(), cfg, ES)
     for j in range(2):
         assert same_episode(together[0][j], together[1][j]) and same_episode(together[0][j], alone[0][j])
     assert not same_episode(together[0][0], together[0][1])

@@ -77,11 +77,11 @@ def _member_result(job: Job, results: Sequence[EpisodeResult], fitness: str, sec
 
 
 def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig,
-                es_cfg: ESConfig, *, contraction: str = "select",
-                policy_kw: dict | None = None) -> list[list[EpisodeResult]]:
+                es_cfg: ESConfig, *, contraction: str = "select") -> list[list[EpisodeResult]]:
     """Play `tasks` once per job's member, all members x tasks episodes in one batch; episodes per job.
 
-    The jobs must be of one version (same task batch and sampling seed). policy_kw: extra ModelPolicy options.
+    The jobs must be of one version (same task batch and sampling seed). ModelPolicy options (first_reply_prefix,
+    command_per_line) come with episode_cfg.
     """
     if es_cfg.noise != "lowrank":
         raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
@@ -94,7 +94,7 @@ def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backe
                                           [member_sign(j, es_cfg) for j in jobs], rows_per_member=n_tasks,
                                           contraction=contraction)
     policy = PopulationPolicy.from_config(engine, params, episode_cfg, population=population,
-                                          tasks_per_member=n_tasks, **(policy_kw or {}))
+                                          tasks_per_member=n_tasks)
     results = run_episodes(policy, list(tasks) * len(jobs), backend, episode_cfg, seed=jobs[0].sampling_seed)
     return [results[i * n_tasks:(i + 1) * n_tasks] for i in range(len(jobs))]
 

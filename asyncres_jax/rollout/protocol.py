@@ -43,7 +43,6 @@ STOP_STRINGS = ("</command>", "</action>")
 _THINK_PAIR_RE = re.compile(r"<think>(?:(?!<think>).)*?</think>", re.DOTALL)
 _DONE_RE = re.compile(r"<action>\s*done\s*</action>", re.IGNORECASE)
 COMMAND_OPEN, COMMAND_CLOSE = "<command>", "</command>"
-_OPEN, _CLOSE = COMMAND_OPEN, COMMAND_CLOSE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +71,11 @@ def parse_reply(text: str) -> Reply:
     visible = strip_thinking(text)
     if _DONE_RE.search(visible):
         return Reply("done")
-    end = visible.rfind(_CLOSE)
+    end = visible.rfind(COMMAND_CLOSE)
     if end >= 0:
-        start = visible.rfind(_OPEN, 0, end)
+        start = visible.rfind(COMMAND_OPEN, 0, end)
         if start >= 0:
-            command = visible[start + len(_OPEN) : end].strip()
+            command = visible[start + len(COMMAND_OPEN) : end].strip()
             if command:
                 return Reply("command", command)
     return Reply("invalid")
