@@ -182,6 +182,8 @@ class EvalSection:
     val_seeds: list[int] = opt([], "sampling seeds of the periodic validation (empty = eval.seeds)")
     temperature: Optional[float] = opt(None, "sampling temperature of held-out evaluation (empty = "
                                              "episode.temperature)")
+    base_from: str = opt("", "a run directory whose base-model (update 0) evaluations this run reuses when they "
+                             "exist and were made with the same settings, instead of repeating them (a study's rows)")
 
     def __post_init__(self):
         _positive("eval", "every", self.every, allow_zero=True)

@@ -289,9 +289,13 @@ def attach(trainer) -> None:
             return
         from asyncres_jax.trainer import log
 
-        log(f"evaluating the {split} split ({n} tasks x {len(seeds)} seeds) at update {version}")
-        r = evaluate_params(cfg, trainer.model, trainer.store.params, split, n, trainer.backend,
-                            out_dir=run / EVAL_DIR, tag=f"{version:05d}", seeds=seeds)
+        r = reused_base_report(cfg, run, split, seeds) if version == 0 else None
+        if r is not None:
+            log(f"the base model's {split} evaluation: reused from {r['reused_from']}")
+        else:
+            log(f"evaluating the {split} split ({n} tasks x {len(seeds)} seeds) at update {version}")
+            r = evaluate_params(cfg, trainer.model, trainer.store.params, split, n, trainer.backend,
+                                out_dir=run / EVAL_DIR, tag=f"{version:05d}", seeds=seeds)
         r.update(update=version, elapsed_seconds=trainer.elapsed(), source=str(run))
         base = run / EVAL_DIR / f"{split}_00000.json"
         if version > 0 and base.is_file():
@@ -318,6 +322,45 @@ def attach(trainer) -> None:
 
     trainer.before_run_hooks.append(before)
     trainer.drained_hooks.append(hook)
+
+
+def base_eval_settings(cfg) -> dict:
+    """What a base-model evaluation depends on: the model, the tasks, the episodes it plays (at the evaluation's
+    temperature) and how many tasks and seeds. Two runs that agree here get the same update-0 reports."""
+    from omegaconf import OmegaConf
+
+    d = OmegaConf.to_container(OmegaConf.structured(cfg))
+    episode = dict(d["episode"])
+    if cfg.eval.temperature is not None:
+        episode["temperature"] = cfg.eval.temperature
+    keep = ("val_tasks", "test_tasks", "seeds", "val_seeds")
+    return {"model": d["model"], "tasks": d["tasks"], "episode": episode, "sandbox.backend": cfg.sandbox.backend,
+            "eval": {k: d["eval"][k] for k in keep}}
+
+
+def reused_base_report(cfg, run_dir: pathlib.Path, split: str, seeds: Sequence[int]) -> dict | None:
+    """The update-0 report of `split` from the run in eval.base_from, when there is one and it was evaluated with
+    this run's settings (then it is the report this run would compute: held-out evaluation of the same base model
+    is deterministic up to float ties, and the study's runs share one). None when eval.base_from is unset, is this
+    run, or holds no such report yet; a UserError when its settings differ."""
+    from asyncres_jax.config import load_config
+
+    if not cfg.eval.base_from:
+        return None
+    src = pathlib.Path(cfg.eval.base_from)
+    path = src / EVAL_DIR / f"{split}_00000.json"
+    if src.resolve() == pathlib.Path(run_dir).resolve() or not path.is_file():
+        return None
+    ours, theirs = base_eval_settings(cfg), base_eval_settings(load_config(src / "config.yaml"))
+    diff = [k for k in ours if ours[k] != theirs[k]]
+    if diff:
+        raise UserError(f"eval.base_from={src} evaluated the base model with other {', '.join(diff)} settings than "
+                        "this run; point it at a run with the same settings or set eval.base_from='' to evaluate here")
+    r = json.loads(path.read_text())
+    if r["seeds"] != list(seeds):
+        raise UserError(f"eval.base_from={src}: its {split} evaluation used seeds {r['seeds']}, this run {list(seeds)}")
+    r["reused_from"] = str(src)
+    return r
 
 
 def write_eval(run_dir: pathlib.Path, r: dict) -> None:

@@ -5,13 +5,13 @@
 Reads each run's metrics.jsonl (one record per ES update) and eval.jsonl (held-out evaluations) and draws,
 several runs on one chart:
     success_vs_update.png   validation success (95% CI band) and test success (CI bar) vs update
-    success_vs_time.png     the same vs wall-clock minutes
+    success_vs_time.png     the same vs training wall-clock minutes (held-out evaluations excluded)
     fitness.png             cohort fitness (mean, min-max band) vs update
     staleness.png           histogram of the staleness of the accepted results, per run
     utilization.png         worker utilisation per update
 --table FILE writes (and prints) a markdown table in the paper's form: the base model, then per run its updates,
 rollouts, test success with its CI and per-seed values, the paired difference from the base model, first/last
-validation success, wall time and tokens/s. In a FILE that has the lines `<!-- plot --table: begin -->` and
+validation success, training wall time (without the held-out evaluations) and tokens/s. In a FILE that has the lines `<!-- plot --table: begin -->` and
 `<!-- plot --table: end -->`, only the table between them is replaced (docs/results.md).
 """
 
@@ -42,10 +42,18 @@ def load_run(path: str | pathlib.Path) -> dict:
     return {"name": run.name, "path": run, "updates": updates, "evals": evals}
 
 
+def training_seconds(run: dict, elapsed: float) -> float:
+    """Wall-clock seconds of training up to `elapsed` (a run's clock), without the held-out evaluations done by
+    then: runs compare by what training cost, whether or not they evaluated (or reused) the base model."""
+    evals = [e.get("seconds", 0.0) for e in run["evals"]
+             if not e.get("reused_from") and e.get("elapsed_seconds", 0.0) <= elapsed]
+    return max(0.0, elapsed - sum(evals))
+
+
 def _evals(run: dict, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     rows = [e for e in run["evals"] if e["split"] == split]
     upd = np.array([e["update"] for e in rows], float)
-    t = np.array([e.get("elapsed_seconds", 0.0) / 60 for e in rows], float)
+    t = np.array([training_seconds(run, e.get("elapsed_seconds", 0.0)) / 60 for e in rows], float)
     s = np.array([e["success"] for e in rows], float)
     ci = np.array([e["ci"] for e in rows], float).reshape(-1, 2)
     return upd, t, s, ci
@@ -82,7 +90,7 @@ def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
     ax.set_ylim(0, max(5.0, ax.get_ylim()[1]))
     lo, hi = ax.get_xlim()
     ax.set_xlim(min(lo, -0.5), max(hi, 1.5))
-    _finish(fig, ax, out, plt, "ES update" if x == "update" else "wall clock (minutes)", "held-out success (%)",
+    _finish(fig, ax, out, plt, "ES update" if x == "update" else "training wall clock (minutes, evaluations excluded)", "held-out success (%)",
             "Held-out success (95% CI: bootstrap over tasks)")
 
 
@@ -165,9 +173,10 @@ def _seeds(e: dict) -> str:
 def table(runs: list[dict]) -> str:
     """One markdown row per run, in the paper's form: held-out test success after the run (95% Wilson CI over
     episodes, the per-seed values), the paired difference from the base model on the same episodes, rollouts and
-    wall-clock. A first row gives the base model (the update-0 test evaluation, shared by the runs)."""
+    training wall-clock (held-out evaluations excluded). A first row gives the base model (the update-0 test
+    evaluation, shared by the runs)."""
     lines = ["| run | updates | rollouts | test success [95% CI] | per seed | vs base (paired) | "
-             "validation: first -> last | wall time | tokens/s |",
+             "validation: first -> last | training time | tokens/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = next((e for run in runs for e in run["evals"] if e["split"] == "test" and e["update"] == 0), None)
     if base is not None:
@@ -175,8 +184,7 @@ def table(runs: list[dict]) -> str:
     for run in runs:
         u, val = run["updates"], [e for e in run["evals"] if e["split"] == "val"]
         test = [e for e in run["evals"] if e["split"] == "test" and e["update"] > 0]
-        seconds = max([r["elapsed_seconds"] for r in u] + [e.get("elapsed_seconds", 0) for e in run["evals"]],
-                      default=0.0)
+        seconds = training_seconds(run, max((r["elapsed_seconds"] for r in u), default=0.0))
         busy = sum(r.get("update_seconds", r.get("rollout_seconds", 0) + r.get("train_seconds", 0)) for r in u)
         tok_s = sum(r["tokens"] for r in u) / busy if busy else 0.0
         first_last = f"{_pct(val[0]['success'])} -> {_pct(val[-1]['success'])}" if val else "n/a"

@@ -43,7 +43,7 @@ from asyncres_jax.rollout import Cohort, Coordinator, ParamStore, PoolConfig, Re
 CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS = "config.yaml", "manifest.json", "checkpoints"
 # Keys that may change between sessions of one run: where it runs and how long it goes on.
 SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps", "pool.backend", "pool.ray_address", "pool.ray_actors",
-                "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor")
+                "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor", "eval.base_from")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
             "safetensors", "omegaconf", "asyncres-jax")
 

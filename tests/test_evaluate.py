@@ -148,6 +148,37 @@ def test_filter_tasks_by_family_and_tier():
         ev.filter_tasks(tasks, ["nope"])
 
 
+def test_a_run_reuses_the_base_evaluation_of_a_run_with_the_same_settings(tmp_path):
+    from asyncres_jax.config import load_config, to_yaml
+
+    def a_run(name, *overrides):
+        cfg = load_config(None, [f"run_dir={tmp_path / name}", "episode.temperature=0", *overrides])
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(to_yaml(cfg))
+        return cfg
+
+    first = a_run("first")
+    episodes = outcomes({"t1": [1.0], "t2": [0.0]})
+    ev.write_eval(tmp_path / "first", ev.report(episodes, split="test", seeds=[42], update=0))
+
+    # a GRPO row samples at 0.6 but evaluates greedily: the same evaluation as the greedy ES row's
+    grpo = a_run("grpo", f"eval.base_from={tmp_path / 'first'}", "episode.temperature=0.6", "eval.temperature=0")
+    r = ev.reused_base_report(grpo, tmp_path / "grpo", "test", [42])
+    assert r["reused_from"] == str(tmp_path / "first") and r["episodes_detail"] == [dataclasses.asdict(e)
+                                                                                   for e in episodes]
+    assert ev.reused_base_report(grpo, tmp_path / "grpo", "val", [42]) is None  # not evaluated there: evaluate
+    assert ev.reused_base_report(first, tmp_path / "first", "test", [42]) is None  # unset
+    itself = dataclasses.replace(first, eval=dataclasses.replace(first.eval, base_from=str(tmp_path / "first")))
+    assert ev.reused_base_report(itself, tmp_path / "first", "test", [42]) is None
+
+    other = a_run("other", f"eval.base_from={tmp_path / 'first'}", "episode.max_turns=3")
+    with pytest.raises(ev.UserError, match="other episode settings"):
+        ev.reused_base_report(other, tmp_path / "other", "test", [42])
+    seeds = a_run("seeds", f"eval.base_from={tmp_path / 'first'}")
+    with pytest.raises(ev.UserError, match=r"used seeds \[42\], this run \[43\]"):
+        ev.reused_base_report(seeds, tmp_path / "seeds", "test", [43])
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     assert ev.main(["--model", "x", "--compare", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -72,3 +72,13 @@ def test_default_out_is_inside_the_first_run_and_errors_are_one_line(runs, tmp_p
     assert plot.main([str(tmp_path / "empty")]) == 2
     assert plot.main([str(runs[0]), "--labels", "a", "b"]) == 2
     assert "one per run" in capsys.readouterr().err
+
+
+def test_training_time_leaves_out_held_out_evaluations_but_not_reused_ones(runs, tmp_path):
+    run = plot.load_run(runs[0])
+    run["evals"] = [{"split": "test", "update": 0, "seconds": 50.0, "elapsed_seconds": 50.0},
+                    {"split": "val", "update": 0, "seconds": 10.0, "elapsed_seconds": 60.0, "reused_from": "x"},
+                    {"split": "val", "update": 2, "seconds": 20.0, "elapsed_seconds": 140.0}]
+    assert plot.training_seconds(run, 100.0) == 50.0  # the update-0 test evaluation took 50 of the 100 s
+    assert plot.training_seconds(run, 200.0) == 130.0  # and validation at update 2 another 20; the reused one 0
+    assert plot.training_seconds(run, 30.0) == 30.0

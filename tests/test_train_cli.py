@@ -95,6 +95,12 @@ def test_every_shipped_config_is_valid_for_its_program():
             pool_config(cfg, data * cfg.pool.workers_per_replica)
         else:
             grpo_trainer.check_supported(cfg)
+    # the study's rows evaluate one base model one way, so every row may reuse the sync row's base evaluation
+    from asyncres_jax.evaluate import base_eval_settings
+
+    study = [load_config(p) for p in paths if "/study/" in p and not p.endswith("common.yaml")]
+    assert len(study) == 5 and all(c.eval.base_from == "runs/study/es_sync" for c in study)
+    assert all(base_eval_settings(c) == base_eval_settings(study[0]) for c in study)
     cpu = load_config(REPO / "configs" / "smollm2_cpu.yaml")
     assert (cpu.model.name, cpu.sandbox.backend, cpu.pool.mode, cpu.pool.max_staleness) == (
         "smollm2-135m-instruct", "bwrap", "async", 1)
