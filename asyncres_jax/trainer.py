@@ -14,13 +14,16 @@ so the global seed and the version are the whole RNG state.
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import hashlib
 import importlib.metadata
 import json
+import os
 import pathlib
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +43,7 @@ from asyncres_jax.jobs import FAKE, engines_per_mesh, episode_job_fn, fake_job_f
 from asyncres_jax.mesh import make_mesh, param_shardings
 from asyncres_jax.rollout import Cohort, Coordinator, ParamStore, PoolConfig, Replica, RolloutPool
 
-CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS = "config.yaml", "manifest.json", "checkpoints"
+CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS, LOCK_FILE = "config.yaml", "manifest.json", "checkpoints", ".lock"
 # Keys that may change between sessions of one run: where it runs and how long it goes on.
 SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps", "pool.backend", "pool.ray_address", "pool.ray_actors",
                 "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor", "eval.base_from")
@@ -83,31 +86,71 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 
 def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> bool:
-    """Create RUN_DIR or check it belongs to this config. Returns True when an existing run continues."""
+    """Create RUN_DIR or check it belongs to this config, and lock it for this process (release_run_dir lets
+    go). Returns True when an existing run continues."""
     run = pathlib.Path(cfg.run_dir)
     is_run = (run / CONFIG_FILE).is_file()
     if run.exists() and not run.is_dir():
         raise UserError(f"run_dir {run} is a file; choose another run_dir=")
-    if run.is_dir() and not is_run and any(run.iterdir()):
+    if run.is_dir() and not is_run and any(p.name != LOCK_FILE for p in run.iterdir()):
         raise UserError(f"run_dir {run} exists and is not a training run (no {CONFIG_FILE}); "
                         "choose another run_dir= (it is never deleted)")
-    if is_run and overwrite:
-        if resume:
-            raise UserError("--resume and --overwrite contradict each other; pass one of them")
-        log(f"--overwrite: deleting the run in {run}")
-        shutil.rmtree(run)
-        is_run = False
-    if is_run:
-        theirs = identity(load_config(run / CONFIG_FILE))
-        diff = _differences(theirs, identity(cfg))
-        if diff:
-            raise UserError(f"run_dir {run} holds a run of a different config (differs in {'; '.join(diff[:4])}); "
-                            "use another run_dir=, or --overwrite to replace it")
-    elif resume:
+    if is_run and overwrite and resume:
+        raise UserError("--resume and --overwrite contradict each other; pass one of them")
+    if not is_run and resume:
         raise UserError(f"--resume: there is no run in {run} to resume; drop --resume to start one")
     run.mkdir(parents=True, exist_ok=True)
+    _lock_run_dir(run)
+    try:
+        if is_run and overwrite:
+            log(f"--overwrite: deleting the run in {run}")
+            for p in run.iterdir():  # all but the lock this process holds
+                if p.name != LOCK_FILE:
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            is_run = False
+        if is_run:
+            diff = _differences(identity(load_config(run / CONFIG_FILE)), identity(cfg))
+            if diff:
+                raise UserError(f"run_dir {run} holds a run of a different config (differs in "
+                                f"{'; '.join(diff[:4])}); use another run_dir=, or --overwrite to replace it")
+    except BaseException:
+        release_run_dir(run)
+        raise
     (run / CONFIG_FILE).write_text(to_yaml(cfg))
     return is_run
+
+
+_LOCKS: dict[pathlib.Path, Any] = {}  # the run directories this process holds, to their open lock files
+
+
+def _lock_run_dir(run: pathlib.Path) -> None:
+    """Take RUN_DIR/.lock (an advisory flock) for this process: a second training started into a run directory
+    in use (say, a restart while the first still finishes an evaluation after SIGTERM) stops with an error
+    instead of both writing checkpoints and metrics there. The kernel drops the lock when the process ends,
+    however it ends, so a crash leaves nothing to clean up."""
+    key = run.resolve()
+    if key in _LOCKS:  # this process holds it already (a trainer rebuilt in the same process)
+        return
+    f = open(run / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"run_dir {run} is in use by a training process ({holder}); wait for it to end or stop "
+                        "it, or choose another run_dir=") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    f.flush()
+    _LOCKS[key] = f
+
+
+def release_run_dir(run: str | pathlib.Path) -> None:
+    """Let go of the run directory's lock (idempotent)."""
+    f = _LOCKS.pop(pathlib.Path(run).resolve(), None)
+    if f is not None:
+        f.close()
 
 
 def _git_revision() -> str | None:
@@ -324,6 +367,8 @@ class ESTrainer:
                 self.backend.close()
             self.metrics.close()
             self.checkpointer.close()
+            if distributed.is_main_process():
+                release_run_dir(self.run_dir)
             raise
 
     # -- ES plumbing -----------------------------------------------------------------------------------
@@ -497,6 +542,8 @@ class ESTrainer:
                 self.backend = None
             self.metrics.close()
             self.checkpointer.close()
+            if distributed.is_main_process():
+                release_run_dir(self.run_dir)
 
 
 # ------------------------------------------------------------------------------------------- entry points
@@ -521,8 +568,6 @@ class _Signals:
             self.trainer.request_stop()
             return
         log(f"{name} again: removing sandboxes and exiting now")
-        import os
-
         try:
             backend = self.trainer.backend
             if backend is not None:

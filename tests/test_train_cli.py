@@ -1,14 +1,17 @@
 """The train CLI's bad input: each mistake is one line on stderr and exit code 2, before anything is written;
-an existing run is never overwritten without --overwrite, and a folder that is not a run is never deleted."""
+an existing run is never overwritten without --overwrite, a folder that is not a run is never deleted, and a run
+directory another training process uses is refused."""
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from asyncres_jax import train
 from asyncres_jax.config import load_config
 from asyncres_jax.errors import UserError
-from asyncres_jax.trainer import CONFIG_FILE, prepare_run_dir
+from asyncres_jax.trainer import CONFIG_FILE, prepare_run_dir, release_run_dir
 
 pytestmark = pytest.mark.xdist_group("train_cli")
 
@@ -63,6 +66,29 @@ def test_overwrite_replaces_a_run_but_never_a_foreign_folder(tmp_path):
     with pytest.raises(UserError, match="is not a training run"):
         prepare_run_dir(load_config(None, [f"run_dir={foreign}", *FAKE]), resume=False, overwrite=True)
     assert (foreign / "thesis.tex").read_text() == "precious"
+
+
+def test_a_run_dir_in_use_by_another_training_process_is_refused(capsys, tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(None, [f"run_dir={run}", *FAKE])
+    holder = subprocess.Popen(  # another process that prepared the run directory and still uses it
+        [sys.executable, "-c", "import sys, time; from asyncres_jax.config import load_config; "
+         "from asyncres_jax.trainer import prepare_run_dir; "
+         "prepare_run_dir(load_config(None, sys.argv[1:]), resume=False, overwrite=False); print('ready', flush=True); "
+         "time.sleep(600)", f"run_dir={run}", *FAKE], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        (run / "metrics.jsonl").write_text("theirs\n")
+        code, last = run_cli(capsys, f"run_dir={run}", *FAKE)
+        assert code == 2 and f"run_dir {run} is in use by a training process (pid {holder.pid} on " in last
+        with pytest.raises(UserError, match="is in use"):  # nor may --overwrite delete it under the other
+            prepare_run_dir(cfg, resume=False, overwrite=True)
+        assert (run / "metrics.jsonl").read_text() == "theirs\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert prepare_run_dir(cfg, resume=False, overwrite=False) is True  # the kernel let go with the process
+    release_run_dir(run)
 
 
 def test_export_of_something_that_is_not_a_run(capsys, tmp_path):

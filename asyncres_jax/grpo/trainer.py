@@ -256,6 +256,7 @@ class GRPOTrainer:
         finally:
             self.metrics.close()
             self.checkpointer.close()
+            self.common.release_run_dir(self.run_dir)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, handle_signals: bool = False,
