@@ -79,10 +79,12 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
 
 class MetricsWriter:
     """Appends records to RUN_DIR/metrics.jsonl (flushed per line) and feeds TensorBoard and the progress bar;
-    thread-safe. total: the run's updates (for the bar and its ETA); initial: the update it starts at."""
+    thread-safe. total: the run's updates (for the bar and its ETA); initial: the update it starts at; unit:
+    what one record is ("update" of ES, "step" of GRPO)."""
 
     def __init__(self, run_dir: str | pathlib.Path, step: int = 0, *, total: int | None = None, initial: int = 0,
-                 tensorboard: bool = True, progress: bool = True, max_samples: int = 2):
+                 tensorboard: bool = True, progress: bool = True, max_samples: int = 2, label: str = "ES updates",
+                 unit: str = "update"):
         self.run_dir = pathlib.Path(run_dir)
         self.path = self.run_dir / FILENAME
         self.step, self.max_samples = step, max_samples
@@ -99,7 +101,7 @@ class MetricsWriter:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc="ES updates", unit="update", file=sys.stderr,
+            self._bar = tqdm(total=total, initial=initial, desc=label, unit=unit, file=sys.stderr,
                              dynamic_ncols=True, mininterval=0, ascii=not sys.stderr.isatty())
         self._postfix: dict[str, str] = {}
 

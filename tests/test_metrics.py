@@ -82,6 +82,12 @@ def test_jsonl_tensorboard_transcripts_and_progress(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "ES updates" in err and "2/4" in err and "fitness=0.500" in err and "val=25.0%" in err
 
+    (tmp_path / "grpo").mkdir()
+    grpo = metrics.MetricsWriter(tmp_path / "grpo", 0, total=3, label="GRPO steps", unit="step")  # GRPO's bar
+    grpo.write({"step": 1, "reward_mean": 0.5})
+    grpo.close()
+    assert "GRPO steps" in capsys.readouterr().err
+
 
 def test_resume_cuts_metrics_back_to_the_checkpointed_step(tmp_path):
     w = metrics.MetricsWriter(tmp_path, 0, progress=False, tensorboard=False)

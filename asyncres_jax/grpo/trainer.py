@@ -106,7 +106,8 @@ class GRPOTrainer:
             metrics_step = restored
         elif resume:
             raise UserError(f"--resume: {self.run_dir} has no readable checkpoint; drop --resume to start over")
-        self.metrics = metrics.MetricsWriter(self.run_dir, metrics_step)
+        self.metrics = metrics.MetricsWriter(self.run_dir, metrics_step, total=cfg.grpo.steps, initial=self.step,
+                                             label="GRPO steps", unit="step")
         common.write_manifest(self.run_dir, cfg, self.mesh, argv, self.step if continuing else None)
 
         self.episode_cfg = EpisodeConfig.from_sections(cfg.episode, cfg.sandbox)
