@@ -161,6 +161,8 @@ class GRPOSection:
     epochs: int = opt(2, "passes over each batch")
     minibatch_size: int = opt(64, "episodes per gradient step")
     micro_batch_size: int = opt(8, "sequences per forward/backward pass; a minibatch's gradients accumulate")
+    max_segment_tokens: int = opt(0, "leave training segments longer than this out of the loss, counted in "
+                                     "metrics as segments_skipped (0 = no limit; a bound on the backward pass's memory)")
     lr: float = opt(1e-6, "AdamW learning rate")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     grad_clip: float = opt(1.0, "global gradient-norm clip")
@@ -171,6 +173,7 @@ class GRPOSection:
         for name in ("steps", "prompts_per_step", "group_size", "epochs", "minibatch_size", "micro_batch_size", "lr",
                      "grad_clip"):
             _positive("grpo", name, getattr(self, name))
+        _positive("grpo", "max_segment_tokens", self.max_segment_tokens, allow_zero=True)
 
 
 @dataclass

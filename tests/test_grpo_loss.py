@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asyncres_jax.grpo.data import Snapshot, pack, segments_from_snapshots, whole_conversation
+from asyncres_jax.grpo.data import Snapshot, build_batch, pack, segments_from_snapshots, whole_conversation
 from asyncres_jax.grpo.loss import (
     group_advantages,
     grpo_loss,
@@ -139,6 +139,18 @@ def test_a_growing_conversation_is_one_segment_and_a_dropped_history_splits_it()
     assert np.array_equal(split[0].ids, s2.ids) and np.array_equal(split[0].loss_mask, s2.generated)
     # r2 was already trained in its own context: only r3 counts in the second segment
     assert np.array_equal(split[1].loss_mask, [0, 0, 0, 0, 0, 1])
+
+
+def test_segments_over_the_token_limit_leave_the_loss_but_not_the_group():
+    short = whole_conversation([1, 2, 3], [0, 1, 1], [0, -0.1, -0.2])
+    long = whole_conversation(list(range(1, 9)), [0] * 6 + [1, 1], [0] * 6 + [-0.1, -0.2])
+    rewards = np.array([[1.0, 0.0]])
+    full = build_batch([[short], [long]], rewards)
+    capped = build_batch([[short], [long]], rewards, max_tokens=4)
+    assert len(full.segments) == 2 and full.skipped == 0
+    assert capped.segments == [short] and capped.episode.tolist() == [0] and capped.skipped == 1
+    np.testing.assert_array_equal(capped.advantage, full.advantage)  # the long episode still counts in its group
+    assert capped.advantage[0] > 0 > capped.advantage[1]
 
 
 def test_pack_shifts_targets_and_pads_on_the_right():

@@ -65,6 +65,7 @@ def test_a_smollm2_grpo_step_through_the_train_cli(tmp_path, task_dir):
                  "episode.context_limit=1024", "eval.every=0", "checkpoint.every=1"]) == 0
     [r] = metrics.read(run_dir)  # one optimiser step from two micro-batches of one sequence (accumulated)
     assert r["update"] == 1 and r["episodes"] == 2 and r["segments"] == 2 and 0 < r["tokens"] <= 16
+    assert r["segments_skipped"] == 0  # nothing over the config's max_segment_tokens
     assert r["optimizer_steps"] == 1 and 0 <= r["reward_mean"] <= 1 and r["kl"] >= 0
     # on-policy: the learner's float32 log-probs reproduce the engine's sampling log-probs (temperature 0.6)
     assert abs(r["first_ratio"] - 1) < 1e-3 and r["first_abs_log_ratio"] < 1e-3

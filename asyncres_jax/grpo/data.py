@@ -98,29 +98,35 @@ class Batch:
     segments: list[Segment]
     episode: np.ndarray  # [S] episode index of each segment, 0..E-1
     advantage: np.ndarray  # [E] float32
+    skipped: int = 0  # segments left out for being longer than build_batch's max_tokens
 
     @property
     def n_episodes(self) -> int:
         return len(self.advantage)
 
 
-def build_batch(episode_segments: Sequence[Sequence[Segment]], rewards_pg) -> Batch:
+def build_batch(episode_segments: Sequence[Sequence[Segment]], rewards_pg, max_tokens: int = 0) -> Batch:
     """Episodes in group order (group p's G episodes are p*G .. p*G+G-1) -> a Batch with group advantages.
 
     Episodes without a trained token (none generated) are left out; their group still counts their reward.
+    Segments longer than max_tokens (> 0) are left out too, and counted: a backward pass keeps every layer's
+    [heads, T, T] attention weights, so one long observation (up to 50,000 characters) could take more memory
+    than the machine has.
     """
     from asyncres_jax.grpo.loss import group_advantages
 
     adv = group_advantages(rewards_pg).reshape(-1)
     if len(adv) != len(episode_segments):
         raise ValueError(f"{len(episode_segments)} episodes for {len(adv)} rewards")
-    segments, episode = [], []
+    segments, episode, skipped = [], [], 0
     for e, segs in enumerate(episode_segments):
         for s in segs:
-            if s.loss_mask[1:].any():
+            if max_tokens and len(s) > max_tokens:
+                skipped += 1
+            elif s.loss_mask[1:].any():
                 segments.append(s)
                 episode.append(e)
-    return Batch(segments, np.asarray(episode, np.int64), adv)
+    return Batch(segments, np.asarray(episode, np.int64), adv, skipped)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,7 +198,7 @@ class GRPOTrainer:
                                       sampling_seed(cfg.seed, self.step))
         rewards = np.asarray([self.score(r) for r in results], np.float32)
         t1 = time.monotonic()
-        batch = build_batch(segments, rewards.reshape(g.prompts_per_step, g.group_size))
+        batch = build_batch(segments, rewards.reshape(g.prompts_per_step, g.group_size), g.max_segment_tokens)
         stats = self.learner.train(batch, seed=sampling_seed(cfg.seed, self.step)) if batch.segments else {}
         self.step += 1
         groups = rewards.reshape(g.prompts_per_step, g.group_size)
@@ -207,7 +207,7 @@ class GRPOTrainer:
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "success_rate": float(np.mean([r.reward for r in results])),
             "groups_with_signal": int(np.sum(groups.max(1) > groups.min(1))),
-            "episodes": len(results), "segments": len(batch.segments),
+            "episodes": len(results), "segments": len(batch.segments), "segments_skipped": batch.skipped,
             "tokens": int(sum(int(s.loss_mask.sum()) for s in batch.segments)),
             "turns": int(sum(r.turns for r in results)), "timeouts": int(sum(r.timed_out for r in results)),
             "rollout_seconds": t1 - t0, "train_seconds": time.monotonic() - t1,
