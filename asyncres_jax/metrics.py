@@ -77,6 +77,11 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
     }
 
 
+# progress-bar fields: name -> (record key, format); a record shows those it has (ES updates, GRPO steps)
+BAR_FIELDS = {"fitness": ("fitness_mean", ".3f"), "reward": ("reward_mean", ".3f"), "stale": ("stale_fraction", ".2f"),
+              "tok_s": ("tokens_per_second", ".0f")}
+
+
 class MetricsWriter:
     """Appends records to RUN_DIR/metrics.jsonl (flushed per line) and feeds TensorBoard and the progress bar;
     thread-safe. total: the run's updates (for the bar and its ETA); initial: the update it starts at; unit:
@@ -125,9 +130,8 @@ class MetricsWriter:
                 folder.mkdir(exist_ok=True)
                 (folder / f"update_{update:05d}.txt").write_text("\n\n".join(texts) + "\n")
             if self._bar is not None:
-                self._postfix.update(fitness=f"{record.get('fitness_mean', float('nan')):.3f}",
-                                     stale=f"{record.get('stale_fraction', 0):.2f}",
-                                     tok_s=f"{record.get('tokens_per_second', 0):.0f}")
+                self._postfix.update({name: f"{record[key]:{fmt}}" for name, (key, fmt) in BAR_FIELDS.items()
+                                      if key in record})
                 self._bar.set_postfix(self._postfix, refresh=False)
                 self._bar.update(update - self._bar.n)
 

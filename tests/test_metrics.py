@@ -86,7 +86,8 @@ def test_jsonl_tensorboard_transcripts_and_progress(tmp_path, capsys):
     grpo = metrics.MetricsWriter(tmp_path / "grpo", 0, total=3, label="GRPO steps", unit="step")  # GRPO's bar
     grpo.write({"step": 1, "reward_mean": 0.5})
     grpo.close()
-    assert "GRPO steps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "GRPO steps" in err and "1/3" in err and "reward=0.500" in err and "fitness" not in err
 
 
 def test_resume_cuts_metrics_back_to_the_checkpointed_step(tmp_path):
