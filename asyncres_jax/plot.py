@@ -90,7 +90,7 @@ def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
     ax.set_ylim(0, max(5.0, ax.get_ylim()[1]))
     lo, hi = ax.get_xlim()
     ax.set_xlim(min(lo, -0.5), max(hi, 1.5))
-    _finish(fig, ax, out, plt, "ES update" if x == "update" else "training wall clock (minutes, evaluations excluded)", "held-out success (%)",
+    _finish(fig, ax, out, plt, "ES update / GRPO step" if x == "update" else "training wall clock (minutes, evaluations excluded)", "held-out success (%)",
             "Held-out success (95% CI: bootstrap over tasks)")
 
 
@@ -101,9 +101,13 @@ def _fitness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
         if not u:
             continue
         x = [r["update"] for r in u]
-        ax.plot(x, [r["fitness_mean"] for r in u], color=f"C{i}", label=run["name"])
-        ax.fill_between(x, [r["fitness_min"] for r in u], [r["fitness_max"] for r in u], color=f"C{i}", alpha=0.15)
-    _finish(fig, ax, out, plt, "ES update", "cohort fitness (mean; band: min-max)", "Training fitness")
+        if "fitness_mean" in u[0]:
+            ax.plot(x, [r["fitness_mean"] for r in u], color=f"C{i}", label=run["name"])
+            ax.fill_between(x, [r["fitness_min"] for r in u], [r["fitness_max"] for r in u], color=f"C{i}",
+                            alpha=0.15)
+        elif "reward_mean" in u[0]:  # a GRPO run: the mean reward of each step's episodes
+            ax.plot(x, [r["reward_mean"] for r in u], "--", color=f"C{i}", label=f"{run['name']} (episode reward)")
+    _finish(fig, ax, out, plt, "ES update / GRPO step", "cohort fitness (mean; band: min-max)", "Training fitness")
 
 
 def staleness_counts(updates: list[dict]) -> dict[int, int]:
@@ -132,7 +136,7 @@ def _staleness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
 def _utilization_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, run in enumerate(runs):
-        u = run["updates"]
+        u = [r for r in run["updates"] if "utilization" in r]  # ES pools only
         if u:
             ax.plot([r["update"] for r in u], [100 * r["utilization"] for r in u], ".-", color=f"C{i}",
                     label=f"{run['name']} (mean {100 * np.mean([r['utilization'] for r in u]):.0f}%)")

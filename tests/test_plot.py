@@ -59,6 +59,20 @@ def test_plot_writes_every_chart_for_several_runs(runs, tmp_path, capsys):
     assert str(out / "fitness.png") in capsys.readouterr().out
 
 
+def test_a_grpo_run_plots_beside_es_runs(runs, tmp_path):
+    grpo = tmp_path / "grpo"
+    grpo.mkdir()
+    (grpo / "metrics.jsonl").write_text("".join(json.dumps(
+        {"update": u, "reward_mean": 0.2 * u, "episodes": 16, "tokens": 400, "rollout_seconds": 30.0,
+         "train_seconds": 80.0, "elapsed_seconds": 110.0 * u}) + "\n" for u in (1, 2)))
+    (grpo / "eval.jsonl").write_text(json.dumps({"split": "test", "update": 2, "success": 0.3, "ci": [0.2, 0.4],
+                                                 "wilson": [0.2, 0.4], "elapsed_seconds": 220.0}) + "\n")
+    results = tmp_path / "t.md"
+    assert plot.main([str(runs[0]), str(grpo), "--out", str(tmp_path / "p"), "--table", str(results)]) == 0
+    assert all((tmp_path / "p" / f).stat().st_size > 5000 for f in plot.FILES)
+    assert "| grpo | 2 | 32 | 30.0% [20.0%, 40.0%] |" in results.read_text()
+
+
 def test_staleness_counts_sum_over_updates(runs):
     assert plot.staleness_counts(plot.load_run(runs[1])["updates"]) == {0: 14, 1: 2}
 
