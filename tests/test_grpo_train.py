@@ -78,7 +78,8 @@ def tiny_config(run_dir, task_dir, *more):
     return load_config("configs/smollm2_cpu_grpo.yaml", [
         f"run_dir={run_dir}", f"tasks.dataset={task_dir}", "model.name=tiny", "mesh=4x2",
         "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.minibatch_size=2", "grpo.micro_batch_size=2",
-        "grpo.lr=1e-3", "grpo.epochs=1", "episode.max_turns=2", "episode.max_new_tokens=6", "episode.context_limit=2048",
+        "grpo.lr=1e-3", "grpo.epochs=1", "grpo.max_segment_tokens=0", "episode.max_turns=2", "episode.max_new_tokens=6",
+        "episode.context_limit=2048",
         "eval.every=2", "eval.val_tasks=1", "eval.test_tasks=1", "eval.seeds=[42]", "checkpoint.every=1", *more])
 
 
