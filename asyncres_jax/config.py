@@ -162,7 +162,8 @@ class GRPOSection:
     minibatch_size: int = opt(64, "episodes per gradient step")
     micro_batch_size: int = opt(8, "sequences per forward/backward pass; a minibatch's gradients accumulate")
     max_segment_tokens: int = opt(0, "leave training segments longer than this out of the loss, counted in "
-                                     "metrics as segments_skipped (0 = no limit; a bound on the backward pass's memory)")
+                                     "metrics as segments_skipped (0 = no limit; bounds the backward pass's "
+                                     "memory)")
     lr: float = opt(1e-6, "AdamW learning rate")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     grad_clip: float = opt(1.0, "global gradient-norm clip")

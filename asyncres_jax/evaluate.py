@@ -344,6 +344,7 @@ def reused_base_report(cfg, run_dir: pathlib.Path, split: str, seeds: Sequence[i
     is deterministic up to float ties, and the study's runs share one). None when eval.base_from is unset, is this
     run, or holds no such report yet; a UserError when its settings differ."""
     from asyncres_jax.config import load_config
+    from asyncres_jax.trainer import CONFIG_FILE
 
     if not cfg.eval.base_from:
         return None
@@ -351,7 +352,7 @@ def reused_base_report(cfg, run_dir: pathlib.Path, split: str, seeds: Sequence[i
     path = src / EVAL_DIR / f"{split}_00000.json"
     if src.resolve() == pathlib.Path(run_dir).resolve() or not path.is_file():
         return None
-    ours, theirs = base_eval_settings(cfg), base_eval_settings(load_config(src / "config.yaml"))
+    ours, theirs = base_eval_settings(cfg), base_eval_settings(load_config(src / CONFIG_FILE))
     diff = [k for k in ours if ours[k] != theirs[k]]
     if diff:
         raise UserError(f"eval.base_from={src} evaluated the base model with other {', '.join(diff)} settings than "

@@ -11,8 +11,9 @@ several runs on one chart:
     utilization.png         worker utilisation per update
 --table FILE writes (and prints) a markdown table in the paper's form: the base model, then per run its updates,
 rollouts, test success with its CI and per-seed values, the paired difference from the base model, first/last
-validation success, training wall time (without the held-out evaluations) and tokens/s. In a FILE that has the lines `<!-- plot --table: begin -->` and
-`<!-- plot --table: end -->`, only the table between them is replaced (docs/results.md).
+validation success, training wall time (without the held-out evaluations) and tokens/s. In a FILE that has the
+lines `<!-- plot --table: begin -->` and `<!-- plot --table: end -->`, only the table between them is replaced
+(docs/results.md).
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
     ax.set_ylim(0, max(5.0, ax.get_ylim()[1]))
     lo, hi = ax.get_xlim()
     ax.set_xlim(min(lo, -0.5), max(hi, 1.5))
-    _finish(fig, ax, out, plt, "ES update / GRPO step" if x == "update" else "training wall clock (minutes, evaluations excluded)", "held-out success (%)",
-            "Held-out success (95% CI: bootstrap over tasks)")
+    xlabel = "ES update / GRPO step" if x == "update" else "training wall clock (minutes, evaluations excluded)"
+    _finish(fig, ax, out, plt, xlabel, "held-out success (%)", "Held-out success (95% CI: bootstrap over tasks)")
 
 
 def _fitness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
