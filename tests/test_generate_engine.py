@@ -4,7 +4,6 @@ the cache or not, in any chunking; stops, multi-turn, rolling context, compile b
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -1,7 +1,6 @@
 """Generation on a ("data", "model") mesh of 8 simulated devices gives the unsharded tokens."""
 
 import jax
-import numpy as np
 
 from asyncres_jax.mesh import make_mesh
 from asyncres_jax.model.tiny import tiny_model

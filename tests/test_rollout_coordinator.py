@@ -125,7 +125,7 @@ def test_a_job_past_its_deadline_is_reissued_and_its_late_result_ignored():
 
 def test_drain_stops_new_jobs_but_finishes_owed_ones():
     c = coordinator(mode="async", max_staleness=1)
-    a, b = c.dispatch(0.0), c.dispatch(0.0)
+    a, _ = c.dispatch(0.0), c.dispatch(0.0)
     c.drain()
     assert c.dispatch(0.0) is None and not c.quiescent
     c.on_failure(a.attempt_id, RuntimeError("x"), 1.0)

@@ -76,6 +76,25 @@ def _left_pad(token_lists, pad_id):
 
 
 @cli_main
+def _transformers_generate(model, prompts, new_tokens: int):
+    """A timed greedy `generate` of transformers' model on the same weights and prompts; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_grad_enabled(False)
+    tm = torch_model_from(model)
+    ids, mask = _left_pad(prompts, pad_id=(model.config.eos_token_ids or (0,))[0])
+    ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+
+    def theirs():
+        t0 = time.perf_counter()
+        out = tm.generate(input_ids=ids_t, attention_mask=mask_t, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=int(ids[0, 0]))
+        return time.perf_counter() - t0, out[:, ids.shape[1]:].numpy()
+    return theirs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m asyncres_jax.bench generate", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -110,23 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         assert all(len(g) == N for g in gen)
         return t2 - t0, t2 - t1, np.stack(gen)
 
-    theirs = None
-    if not args.no_torch:
-        try:
-            import torch
-        except ImportError:
-            torch = None
-        if torch is not None:
-            torch.set_grad_enabled(False)
-            tm = torch_model_from(model)
-            ids, mask = _left_pad(prompts, pad_id=(model.config.eos_token_ids or (0,))[0])
-            ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
-
-            def theirs():
-                t0 = time.perf_counter()
-                out = tm.generate(input_ids=ids_t, attention_mask=mask_t, max_new_tokens=N, min_new_tokens=N,
-                                  do_sample=False, pad_token_id=int(ids[0, 0]))
-                return time.perf_counter() - t0, out[:, ids.shape[1]:].numpy()
+    theirs = None if args.no_torch else _transformers_generate(model, prompts, N)
 
     t_compile = time.perf_counter()
     _, _, ours_tokens = ours()  # warm-up: compiles every program the timed runs use

@@ -379,7 +379,7 @@ def _links(rng, difficulty, variant):
     if difficulty == "easy":
         v = versions[-1]
         files = [File(f"{rel}/v{x}/app.txt", lines_text([f"version {x}"])) for x in versions]
-        link, target = "current", f"{rel}/v{v}/app.txt"
+        target = f"{rel}/v{v}/app.txt"
         if variant == "symlink":
             instr = f"Create {kind} /home/user/current pointing to the folder /home/user/{rel}/v{v}."
             return Spec(instr, f"ln -s {rel}/v{v} current", [("link", same("current", f"{rel}/v{v}")),
@@ -827,7 +827,7 @@ def _layout(rng, difficulty, variant):
     root = rng.choice(("app", "service", "lib", "site"))
     subs = sorted(rng.sample(("src", "tests", "docs", "assets", "config", "scripts"), 3))
     if difficulty == "easy":
-        instr = f"Create the folders " + ", ".join(f"/home/user/{root}/{s}" for s in subs) + "."
+        instr = "Create the folders " + ", ".join(f"/home/user/{root}/{s}" for s in subs) + "."
         return Spec(instr, "mkdir -p " + " ".join(f"{root}/{s}" for s in subs),
                     [(f"dir_{i}", f"assert (HOME / {root + '/' + s!r}).is_dir()") for i, s in enumerate(subs)],
                     [], outputs=[root], params=(root, tuple(subs)))
@@ -843,7 +843,7 @@ def _layout(rng, difficulty, variant):
         checks += [("originals", f"assert len(os.listdir(HOME / 'inbox')) == {len(loose)}"),
                    ("count", f"assert text('backup-{stamp}/COUNT').strip() == '{len(loose)}'")]
         if difficulty == "hard":
-            instr += f" Finally make the backup folder and its files read-only for everyone (folder 555, files 444)."
+            instr += " Finally make the backup folder and its files read-only for everyone (folder 555, files 444)."
             sol += f"\nchmod 444 backup-{stamp}/*\nchmod 555 backup-{stamp}"
             checks += [("dir_mode", f"assert mode('backup-{stamp}') == 0o555"),
                        ("file_modes", f"assert all(mode('backup-{stamp}/' + n) == 0o444 for n in os.listdir(HOME / 'backup-{stamp}'))")]
