@@ -10,6 +10,7 @@ agree (a sanity check that both computed the same thing).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -73,6 +74,83 @@ def _left_pad(token_lists, pad_id):
     for i, t in enumerate(token_lists):
         ids[i, T - len(t):], mask[i, T - len(t):] = t, 1
     return ids, mask
+
+
+def _dense_step(params, x_bd, cfg):
+    """One decode step's dense products and nothing else: every kernel once, as the decoder multiplies them."""
+    import jax
+    import jax.numpy as jnp
+
+    for i in range(cfg.num_layers):
+        a, m = params["layers"][i]["attn"], params["layers"][i]["mlp"]
+        q, k, v = (x_bd @ a[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj"))
+        o = (q + jnp.tile(k + v, cfg.num_heads // cfg.num_kv_heads)) @ a["o_proj"]["kernel"]
+        h = jax.nn.silu(x_bd @ m["gate_proj"]["kernel"]) * (x_bd @ m["up_proj"]["kernel"])
+        x_bd = x_bd + 1e-3 * (o + h @ m["down_proj"]["kernel"])
+    head = params["embed"]["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]["kernel"]
+    return x_bd @ head
+
+
+def roofline(model, batch: int, repeats: int = 7) -> dict:
+    """The limits of one decode step at this batch, measured now on this machine (best of `repeats`).
+
+    dense: the step's matrix products alone, run by XLA (and by torch when installed) on the model's own
+    weights; bandwidth: one read of all the weights (a jitted sum), which every decode step must do.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    cfg, params = model.config, model.params
+    leaves = jax.tree.leaves(params)
+    n_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    flops = 2 * batch * sum(x.size for x in leaves if x.ndim == 2)  # every matrix once (tied head = embedding)
+    dense = jax.jit(functools.partial(_dense_step, cfg=cfg))
+    read = jax.jit(lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p)))
+    x_bd = jnp.ones((batch, cfg.hidden_size), jnp.float32)
+
+    def best(fn, *args):
+        jax.block_until_ready(fn(*args))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    t_dense, t_read = best(dense, params, x_bd), best(read, params)
+    res = {"dense_step_ms": round(t_dense * 1e3, 4), "dense_gflop_s": round(flops / t_dense / 1e9, 1),
+           "dense_bound_tok_s": round(batch / t_dense, 1), "weights_mb": round(n_bytes / 1e6, 1),
+           "read_gb_s": round(n_bytes / t_read / 1e9, 1), "bandwidth_bound_tok_s": round(batch / t_read, 1)}
+    try:
+        import torch
+    except ImportError:
+        return res
+    tp = jax.tree.map(lambda x: torch.from_numpy(np.array(x)), params)
+    tx = torch.ones(batch, cfg.hidden_size)
+
+    def torch_dense():
+        with torch.no_grad():
+            return _dense_step_torch(tp, tx, cfg)
+    ts = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        torch_dense()
+        ts.append(time.perf_counter() - t0)
+    t_torch = min(ts[1:])
+    return res | {"torch_dense_step_ms": round(t_torch * 1e3, 4), "torch_dense_gflop_s": round(flops / t_torch / 1e9, 1)}
+
+
+def _dense_step_torch(params, x_bd, cfg):
+    import torch
+
+    for i in range(cfg.num_layers):
+        a, m = params["layers"][i]["attn"], params["layers"][i]["mlp"]
+        q, k, v = (x_bd @ a[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj"))
+        o = (q + (k + v).repeat(1, cfg.num_heads // cfg.num_kv_heads)) @ a["o_proj"]["kernel"]
+        h = torch.nn.functional.silu(x_bd @ m["gate_proj"]["kernel"]) * (x_bd @ m["up_proj"]["kernel"])
+        x_bd = x_bd + 1e-3 * (o + h @ m["down_proj"]["kernel"])
+    head = params["embed"]["embedding"].T if cfg.tie_word_embeddings else params["lm_head"]["kernel"]
+    return x_bd @ head
 
 
 @cli_main
@@ -155,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": statistics.median(theirs_t) / statistics.median(ours_t),
                 "run_ratios": [round(b / a, 3) for a, b in zip(ours_t, theirs_t)],
                 "greedy_token_agreement": float(np.mean(theirs_tokens == ours_tokens))}
+    res |= {"roofline": roofline(model, B)}
+    res["ours_decode_vs_dense_bound"] = round(res["ours_decode_only_tok_s"] / res["roofline"]["dense_bound_tok_s"], 3)
     if args.json:
         print(json.dumps(res))
     else:
