@@ -13,7 +13,8 @@ several runs on one chart:
 rollouts, test success with its CI and per-seed values, the paired difference from the base model, first/last
 validation success, training wall time (without the held-out evaluations) and tokens/s. In a FILE that has the
 lines `<!-- plot --table: begin -->` and `<!-- plot --table: end -->`, only the table between them is replaced
-(docs/results.md).
+(docs/results.md). Runs given the same label are one method trained with different seeds: one table row (the mean
+over its runs, each training seed's value beside it) and one colour in the charts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,34 @@ def load_run(path: str | pathlib.Path) -> dict:
     updates, evals = metrics.read(run), read_evals(run)
     if not updates and not evals:
         raise UserError(f"{run} holds neither {metrics.FILENAME} nor eval.jsonl; is it a training run directory?")
-    return {"name": run.name, "path": run, "updates": updates, "evals": evals}
+    return {"name": run.name, "path": run, "updates": updates, "evals": evals, "seed": _training_seed(run)}
+
+
+def _training_seed(run: pathlib.Path) -> int | None:
+    import yaml
+
+    path = run / "config.yaml"
+    cfg = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return cfg.get("seed") if isinstance(cfg, dict) else None
+
+
+def groups(runs: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Runs by name, in order of first appearance: runs sharing a label are seeds of one method."""
+    by_name: dict[str, list[dict]] = {}
+    for run in runs:
+        by_name.setdefault(run["name"], []).append(run)
+    return list(by_name.items())
+
+
+def _colors(runs: list[dict]) -> list[str]:
+    index = {name: i for i, (name, _) in enumerate(groups(runs))}
+    return [f"C{index[run['name']]}" for run in runs]
+
+
+def _label(run: dict, runs: list[dict]) -> str:
+    """The run's name, with its training seed when other runs share the name."""
+    shared = sum(r["name"] == run["name"] for r in runs) > 1
+    return f"{run['name']} (seed {run.get('seed')})" if shared else run["name"]
 
 
 def training_seconds(run: dict, elapsed: float) -> float:
@@ -73,20 +101,20 @@ def _finish(fig, ax, out: pathlib.Path, plt, xlabel: str, ylabel: str, title: st
 
 def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, run in enumerate(runs):
-        color = f"C{i}"
+    for color, run in zip(_colors(runs), runs):
+        name = _label(run, runs)
         upd, t, s, ci = _evals(run, "val")
         xs = upd if x == "update" else t
         if len(s):
-            ax.plot(xs, 100 * s, "o-", color=color, label=f"{run['name']} validation")
+            ax.plot(xs, 100 * s, "o-", color=color, label=f"{name} validation")
             ax.fill_between(xs, 100 * ci[:, 0], 100 * ci[:, 1], color=color, alpha=0.15)
             partial = [100 * e.get("partial", np.nan) for e in run["evals"] if e["split"] == "val"]
-            ax.plot(xs, partial, "x:", color=color, label=f"{run['name']} validation, partial credit")
+            ax.plot(xs, partial, "x:", color=color, label=f"{name} validation, partial credit")
         upd, t, s, ci = _evals(run, "test")
         xs = upd if x == "update" else t
         if len(s):
             err = 100 * np.abs(ci - s[:, None]).T
-            ax.errorbar(xs, 100 * s, yerr=err, fmt="s", color=color, capsize=4, label=f"{run['name']} test")
+            ax.errorbar(xs, 100 * s, yerr=err, fmt="s", color=color, capsize=4, label=f"{name} test")
     # a flat zero curve still gets a readable frame: success from 0, the x axis at least one unit wide
     ax.set_ylim(0, max(5.0, ax.get_ylim()[1]))
     lo, hi = ax.get_xlim()
@@ -97,17 +125,17 @@ def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
 
 def _fitness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, run in enumerate(runs):
+    for color, run in zip(_colors(runs), runs):
         u = run["updates"]
         if not u:
             continue
         x = [r["update"] for r in u]
         if "fitness_mean" in u[0]:
-            ax.plot(x, [r["fitness_mean"] for r in u], color=f"C{i}", label=run["name"])
-            ax.fill_between(x, [r["fitness_min"] for r in u], [r["fitness_max"] for r in u], color=f"C{i}",
+            ax.plot(x, [r["fitness_mean"] for r in u], color=color, label=_label(run, runs))
+            ax.fill_between(x, [r["fitness_min"] for r in u], [r["fitness_max"] for r in u], color=color,
                             alpha=0.15)
         elif "reward_mean" in u[0]:  # a GRPO run: the mean reward of each step's episodes
-            ax.plot(x, [r["reward_mean"] for r in u], "--", color=f"C{i}", label=f"{run['name']} (episode reward)")
+            ax.plot(x, [r["reward_mean"] for r in u], "--", color=color, label=f"{_label(run, runs)} (episode reward)")
     _finish(fig, ax, out, plt, "ES update / GRPO step", "cohort fitness (mean; band: min-max)", "Training fitness")
 
 
@@ -123,12 +151,12 @@ def staleness_counts(updates: list[dict]) -> dict[int, int]:
 def _staleness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     width = 0.8 / max(1, len(runs))
-    for i, run in enumerate(runs):
+    for i, (color, run) in enumerate(zip(_colors(runs), runs)):
         counts = staleness_counts(run["updates"])
         if counts:
             n = sum(counts.values())
-            ax.bar(np.array(list(counts)) + (i - (len(runs) - 1) / 2) * width,
-                   [100 * v / n for v in counts.values()], width=width, color=f"C{i}", label=f"{run['name']} ({n})")
+            ax.bar(np.array(list(counts)) + (i - (len(runs) - 1) / 2) * width, [100 * v / n for v in counts.values()],
+                   width=width, color=color, label=f"{_label(run, runs)} ({n})")
     ax.xaxis.get_major_locator().set_params(integer=True)
     _finish(fig, ax, out, plt, "staleness of an accepted result (updates)", "share of accepted results (%)",
             "Staleness histogram", axis="y")
@@ -136,11 +164,11 @@ def _staleness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
 
 def _utilization_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, run in enumerate(runs):
+    for color, run in zip(_colors(runs), runs):
         u = [r for r in run["updates"] if "utilization" in r]  # ES pools only
         if u:
-            ax.plot([r["update"] for r in u], [100 * r["utilization"] for r in u], ".-", color=f"C{i}",
-                    label=f"{run['name']} (mean {100 * np.mean([r['utilization'] for r in u]):.0f}%)")
+            ax.plot([r["update"] for r in u], [100 * r["utilization"] for r in u], ".-", color=color,
+                    label=f"{_label(run, runs)} (mean {100 * np.mean([r['utilization'] for r in u]):.0f}%)")
     ax.set_ylim(0, 105)
     _finish(fig, ax, out, plt, "ES update", "worker utilisation (%)", "Worker utilisation per update")
 
@@ -175,31 +203,62 @@ def _seeds(e: dict) -> str:
     return " / ".join(_pct(v) for v in per.values()) if len(per) > 1 else "-"
 
 
+def _run_stats(run: dict) -> dict:
+    u, val = run["updates"], [e for e in run["evals"] if e["split"] == "val"]
+    test = [e for e in run["evals"] if e["split"] == "test" and e["update"] > 0]
+    busy = sum(r.get("update_seconds", r.get("rollout_seconds", 0) + r.get("train_seconds", 0)) for r in u)
+    return {"updates": u[-1]["update"] if u else 0, "rollouts": sum(r.get("episodes", 0) for r in u),
+            "test": test[-1] if test else None, "val": (val[0]["success"], val[-1]["success"]) if val else None,
+            "seconds": training_seconds(run, max((r["elapsed_seconds"] for r in u), default=0.0)),
+            "tokens": sum(r.get("tokens", 0) for r in u), "busy": busy}
+
+
+def _row(name: str, runs: list[dict]) -> str:
+    """One table row: a run, or the mean over the runs of one method (its training seeds)."""
+    from asyncres_jax.evaluate import wilson
+
+    st = [_run_stats(run) for run in runs]
+    tests = [x["test"] for x in st]
+    vals = [x["val"] for x in st if x["val"]]
+    compares = [t.get("compare") for t in tests if t]
+    rollouts = {x["rollouts"] for x in st}
+    busy = sum(x["busy"] for x in st)
+    first_last = (f"{_pct(np.mean([v[0] for v in vals]))} -> {_pct(np.mean([v[1] for v in vals]))}"
+                  if vals else "n/a")
+    if len(runs) == 1:
+        t, c = tests[0], compares[0] if compares else None
+        test_s, seeds = (_success(t), _seeds(t)) if t else ("n/a", "-")
+        vs = f"{100 * c['difference']:+.1f} pts (p = {c['p_value']:.2f})" if c else "n/a"
+    elif all(tests):
+        mean = float(np.mean([t["success"] for t in tests]))
+        n = [t.get("episodes", t.get("tasks", 0)) for t in tests]
+        lo, hi = wilson(sum(t["success"] * k for t, k in zip(tests, n)), sum(n))
+        test_s = f"{_pct(mean)} [{_pct(lo)}, {_pct(hi)}]"
+        seeds = " / ".join(f"{_pct(t['success'])} (seed {run.get('seed')})" for t, run in zip(tests, runs))
+        vs = "n/a"
+        if compares and all(compares):
+            ps = ", ".join(f"{c['p_value']:.2f}" for c in compares)
+            vs = f"{100 * np.mean([c['difference'] for c in compares]):+.1f} pts (p = {ps})"
+    else:
+        test_s, seeds, vs = "n/a", "-", "n/a"
+    return (f"| {name} | {st[0]['updates']} | {rollouts.pop() if len(rollouts) == 1 else np.mean(list(rollouts))} | "
+            f"{test_s} | {seeds} | {vs} | {first_last} | {np.mean([x['seconds'] for x in st]) / 60:.1f} min | "
+            f"{sum(x['tokens'] for x in st) / busy if busy else 0.0:.0f} |")
+
+
 def table(runs: list[dict]) -> str:
-    """One markdown row per run, in the paper's form: held-out test success after the run (95% Wilson CI over
+    """One markdown row per method, in the paper's form: held-out test success after training (95% Wilson CI over
     episodes, the per-seed values), the paired difference from the base model on the same episodes, rollouts and
     training wall-clock (held-out evaluations excluded). A first row gives the base model (the update-0 test
-    evaluation, shared by the runs)."""
+    evaluation, shared by the runs). Runs sharing a name are one method's training seeds: its row gives their
+    mean (the CI over all their episodes, the per-run paired p-values) and each seed's success."""
     lines = ["| run | updates | rollouts | test success [95% CI] | per seed | vs base (paired) | "
              "validation: first -> last | training time | tokens/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = next((e for run in runs for e in run["evals"] if e["split"] == "test" and e["update"] == 0), None)
     if base is not None:
         lines.append(f"| base model | 0 | 0 | {_success(base)} | {_seeds(base)} | - | - | - | - |")
-    for run in runs:
-        u, val = run["updates"], [e for e in run["evals"] if e["split"] == "val"]
-        test = [e for e in run["evals"] if e["split"] == "test" and e["update"] > 0]
-        seconds = training_seconds(run, max((r["elapsed_seconds"] for r in u), default=0.0))
-        busy = sum(r.get("update_seconds", r.get("rollout_seconds", 0) + r.get("train_seconds", 0)) for r in u)
-        tok_s = sum(r["tokens"] for r in u) / busy if busy else 0.0
-        first_last = f"{_pct(val[0]['success'])} -> {_pct(val[-1]['success'])}" if val else "n/a"
-        t = test[-1] if test else None
-        test_s = _success(t) if t else "n/a"
-        c = (t or {}).get("compare")
-        vs = f"{100 * c['difference']:+.1f} pts (p = {c['p_value']:.2f})" if c else "n/a"
-        lines.append(f"| {run['name']} | {u[-1]['update'] if u else 0} | {sum(r.get('episodes', 0) for r in u)} | "
-                     f"{test_s} | {_seeds(t) if t else '-'} | {vs} | {first_last} | {seconds / 60:.1f} min | "
-                     f"{tok_s:.0f} |")
+    lines += [_row(name, group) for name, group in groups(runs)]
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
 """`python -m asyncres_jax.plot` on two tiny fake runs: every PNG is written and decodes, the table holds the
-runs' numbers, and bad input is one line."""
+runs' numbers (runs sharing a label as one method's seeds), and bad input is one line."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import pytest
 
 from asyncres_jax import plot
+from asyncres_jax.evaluate import wilson
 
 
 def fake_run(root, name, n_updates, stale_share, val, test):
@@ -96,3 +97,24 @@ def test_training_time_leaves_out_held_out_evaluations_but_not_reused_ones(runs,
     assert plot.training_seconds(run, 100.0) == 50.0  # the update-0 test evaluation took 50 of the 100 s
     assert plot.training_seconds(run, 200.0) == 130.0  # and validation at update 2 another 20; the reused one 0
     assert plot.training_seconds(run, 30.0) == 30.0
+
+
+def test_runs_sharing_a_label_are_one_method_over_training_seeds(runs, tmp_path):
+    a, b = runs
+    for run, seed in ((a, 0), (b, 1)):
+        (run / "config.yaml").write_text(f"seed: {seed}\nrun_dir: {run}\n")
+        lines = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+        (run / "eval.jsonl").write_text("".join(json.dumps(e | {"episodes": 50}) + "\n" for e in lines))
+    loaded = [plot.load_run(a), plot.load_run(b)]
+    for run in loaded:
+        run["name"] = "ES"
+    md = plot.table(loaded)
+    rows = [line for line in md.splitlines() if line.startswith("| ES |")]
+    assert len(rows) == 1  # one method, one row
+    # mean of 28% and 33%; the Wilson CI pools the 100 episodes (30.5 successes); each seed's value beside it
+    lo, hi = wilson(0.28 * 50 + 0.33 * 50, 100)
+    assert f"| ES | 4 | 32 | 30.5% [{100 * lo:.1f}%, {100 * hi:.1f}%] | 28.0% (seed 0) / 33.0% (seed 1) |" in rows[0]
+    assert "+20.5 pts (p = 0.04, 0.04) | 20.0% -> 32.5% | 2.0 min | 100 |" in rows[0]
+    assert plot._colors(loaded) == ["C0", "C0"]
+    assert [plot._label(r, loaded) for r in loaded] == ["ES (seed 0)", "ES (seed 1)"]
+    assert len(plot.plot(loaded, tmp_path / "plots")) == len(plot.FILES)
