@@ -5,6 +5,10 @@ Side by side in one run (the machine is shared, so ratios and CPU time matter mo
   sandbox   BwrapBackend.start(task) + run("echo ok") + close()  (a prepared home copied, limits, clean env)
   parallel  16 threads doing sandbox cycles at once: sandboxes/s and commands/s
   grade     one grading run (pytest inside the sandbox), for scale
+  compute_while_spawning
+            a thread writing across --ballast-gb of this process's memory (a training process's compute) while
+            sandbox commands start in a loop, relative to it alone: the way sandboxes start (setpriv + vfork)
+            and, for comparison, Popen(user=...), which makes CPython fork the whole process each time
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 
 from asyncres_jax.errors import UserError
@@ -62,13 +67,54 @@ class CpuMeter:
             self.dir = None
 
 
+def compute_while(spawn, ballast_gb: float, seconds: float) -> dict:
+    """Passes/s of a thread writing one float per page across `ballast_gb` of fresh memory, alone and while
+    `spawn()` runs in a loop; with their ratio and the spawns/s."""
+    import numpy as np
+
+    ballast = np.ones(int(ballast_gb * 2**30) // 8)
+    stride = 4096 // ballast.itemsize
+
+    def passes(stop: threading.Event, out: list) -> None:
+        n = 0
+        while not stop.is_set():
+            ballast[::stride] += 1.0
+            n += 1
+        out.append(n)
+
+    def run(busy: bool) -> tuple[float, float]:
+        stop, out, spawned = threading.Event(), [], 0
+        th = threading.Thread(target=passes, args=(stop, out))
+        t0 = time.perf_counter()
+        th.start()
+        while time.perf_counter() - t0 < seconds:
+            if busy:
+                spawn()
+                spawned += 1
+            else:
+                time.sleep(0.01)
+        stop.set()
+        th.join()
+        wall = time.perf_counter() - t0
+        return out[0] / wall, spawned / wall
+
+    alone, _ = run(False)
+    busy, spawns = run(True)
+    return {"passes_per_s_alone": round(alone, 2), "passes_per_s_spawning": round(busy, 2),
+            "compute_kept": round(busy / alone, 3), "spawns_per_s": round(spawns, 1)}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m asyncres_jax.bench sandbox", description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=200, help="sequential cycles per measurement")
     p.add_argument("--parallel", type=int, default=16, help="sandboxes at once for the throughput run")
     p.add_argument("--cycles", type=int, default=20, help="cycles per thread in the throughput run")
+    p.add_argument("--ballast-gb", type=float, default=4.0, help="memory of the stand-in training process")
+    p.add_argument("--seconds", type=float, default=5.0, help="length of each compute_while_spawning run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if min(args.n, args.parallel, args.cycles) < 1 or args.ballast_gb <= 0 or args.seconds <= 0:
+        raise UserError("--n, --parallel and --cycles must be >= 1, --ballast-gb and --seconds > 0")
 
     from asyncres_jax.envs import bwrap
     from asyncres_jax.envs.generator import generate
@@ -86,7 +132,6 @@ def main(argv: list[str]) -> int:
         out["prepare_task_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
 
         uid = backend.host_uid(0)
-        kw = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
         bare_argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr",
                      "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/bin", "/bin",
                      "--", "/usr/bin/true"]
@@ -96,7 +141,8 @@ def main(argv: list[str]) -> int:
         try:
             for _ in range(args.n):  # interleaved, so both see the same machine load
                 c0, t0 = cpu(), time.perf_counter()
-                subprocess.run(bare_argv, stdin=subprocess.DEVNULL, capture_output=True, check=True, **kw)
+                subprocess.run(bwrap.as_user(uid, bare_argv), stdin=subprocess.DEVNULL, capture_output=True,
+                               check=True)
                 bare.append(time.perf_counter() - t0)
                 c1, t0 = cpu(), time.perf_counter()
                 sb = backend.start(task)
@@ -156,6 +202,14 @@ def main(argv: list[str]) -> int:
         out["parallel"] = {"sandboxes": args.parallel, "cycles": len(lats),
                            "sandboxes_per_s": round(len(lats) / wall, 1), "latency": _summary(lats),
                            "commands_per_s_in_live_sandboxes": round(args.parallel * args.cycles / wall_cmd, 1)}
+        with backend.start(task) as sb:
+            out["compute_while_spawning"] = {"sandbox_commands": compute_while(
+                lambda: sb.run("true"), args.ballast_gb, args.seconds)}
+        if uid is not None:  # what Popen(user=...) would cost: CPython forks the whole (ballasted) process
+            fork_kw = dict(user=uid, group=uid, extra_groups=[])
+            out["compute_while_spawning"]["bare_bwrap_popen_user"] = compute_while(
+                lambda: subprocess.run(bare_argv, stdin=subprocess.DEVNULL, capture_output=True, check=True,
+                                       **fork_kw), args.ballast_gb, args.seconds)
     if args.json:
         print(json.dumps(out))
     else:

@@ -70,6 +70,17 @@ class BwrapConfig:
     root: str | None = None  # host folder for templates and sandbox state; None: a fresh temp folder
 
 
+def as_user(uid: int | None, argv: list[str]) -> list[str]:
+    """argv to run as host user `uid` (its own group, no supplementary groups); unchanged for None.
+
+    Through setpriv, not Popen(user=, group=, extra_groups=): with those CPython forks instead of vforking, and
+    forking a training process of many GB write-protects all its memory, so its compute threads stall in
+    page faults every time a sandbox command starts (`bench sandbox` measures it: "compute_while_spawning")."""
+    if uid is None:
+        return argv
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+
+
 def _run_quiet(argv: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, **kw)
 
@@ -85,9 +96,12 @@ def host_problem(uid: int = 65534) -> str | None:
     if shutil.which("bwrap") is None:
         problem = "bubblewrap (bwrap) is not installed; install it with: apt-get install bubblewrap " \
                   "(or run scripts/setup_system.sh)"
+    elif os.geteuid() == 0 and shutil.which("setpriv") is None:
+        problem = "setpriv is not installed (sandboxes start as their own user through it); install it with: " \
+                  "apt-get install util-linux (or run scripts/setup_system.sh)"
     else:
-        kw = dict(user=uid, group=uid, extra_groups=[]) if os.geteuid() == 0 else {}
-        r = _run_quiet(["bwrap", "--unshare-all", "--cap-drop", "ALL", "--ro-bind", "/", "/", "true"], **kw)
+        argv = ["bwrap", "--unshare-all", "--cap-drop", "ALL", "--ro-bind", "/", "/", "true"]
+        r = _run_quiet(as_user(uid if os.geteuid() == 0 else None, argv))
         if r.returncode != 0:
             problem = ("bwrap cannot create user namespaces as an unprivileged user here "
                        f"({r.stderr.strip() or 'exit ' + str(r.returncode)}); enable them "
@@ -300,10 +314,10 @@ class BwrapBackend(Backend):
         for k, v in {"BASH_ENV": LIMITS, **limits}.items():
             argv += ["--setenv", k, v]
         argv += ["--chdir", workdir, "--remount-ro", "/", "--", "/bin/bash", "--noprofile", "--norc", "-c", script]
-        kw = dict(user=uid, group=uid, extra_groups=[], umask=0o022) if uid is not None else {}
+        kw = dict(umask=0o022) if uid is not None else {}
         t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True, **kw)
+        proc = subprocess.Popen(as_user(uid, argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, **kw)
         raw, timed_out = _communicate(proc, timeout, 4 * self.config.output_cap)
         code = proc.returncode if not timed_out else 124
         return CommandResult(output=clean_output(raw, self.config.output_cap), exit_code=code,
