@@ -44,7 +44,10 @@ def _vector(value: Array, path: str, perturbation: Perturbation | None) -> Array
 
 def _dense(x: Array, kernel: Array, path: str, perturbation: Perturbation | None, *, transpose=False) -> Array:
     """x @ kernel (kernel.T when transpose), plus the perturbation's term for the leaf `path`."""
-    y = jnp.einsum("btd,fd->btf" if transpose else "btd,df->btf", x.astype(kernel.dtype), kernel)
+    # As a 2-D product over the flattened (b, t) rows: XLA CPU ran the 3-D einsum ~20% slower (decode, T = 1).
+    B, T, _ = x.shape
+    x_nd = x.astype(kernel.dtype).reshape(B * T, -1)
+    y = (x_nd @ kernel.T if transpose else x_nd @ kernel).reshape(B, T, -1)
     if perturbation is not None:
         y = y + perturbation.dense(path, x, transpose).astype(y.dtype)
     return y
