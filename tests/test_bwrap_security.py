@@ -64,6 +64,17 @@ def test_agent_is_an_unprivileged_user_in_its_home(sb):
     # on the host the files belong to the sandbox's own unprivileged uid, not to root
     host_uid = (sb.folder / "home" / "probe").stat().st_uid
     assert host_uid != 0 and (os.geteuid() != 0 or host_uid >= sb.backend.config.uid_base)
+    # and on the host its file's group is the uid's own group; no supplementary group of the caller is kept
+    assert (sb.folder / "home" / "probe").stat().st_gid == (host_uid if os.geteuid() == 0 else os.getegid())
+    saved = os.getgroups()
+    if os.geteuid() == 0:
+        os.setgroups([4242])  # a group the sandbox must not inherit
+    try:
+        groups = sb.run("grep '^Groups:' /proc/self/status").output.split()
+    finally:
+        if os.geteuid() == 0:
+            os.setgroups(saved)
+    assert groups == ["Groups:"]
 
 
 @pytest.mark.parametrize("path", ["/etc/asyncres-probe", "/usr/asyncres-probe", "/asyncres-probe",
