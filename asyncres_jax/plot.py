@@ -4,17 +4,17 @@
 
 Reads each run's metrics.jsonl (one record per ES update) and eval.jsonl (held-out evaluations) and draws,
 several runs on one chart:
-    success_vs_update.png   validation success (95% CI band) and test success (CI bar) vs update
+    success_vs_update.png   validation success and test success (95% Wilson CI bar) vs update
     success_vs_time.png     the same vs training wall-clock minutes (held-out evaluations excluded)
-    fitness.png             cohort fitness (mean, min-max band) vs update
-    staleness.png           histogram of the staleness of the accepted results, per run
+    fitness.png             cohort fitness (mean; band: the seeds' range, or one run's cohort min-max) vs update
+    staleness.png           histogram of the staleness of the accepted results, per method
     utilization.png         worker utilisation per update
 --table FILE writes (and prints) a markdown table in the paper's form: the base model, then per run its updates,
 rollouts, test success with its CI and per-seed values, the paired difference from the base model, first/last
 validation success, training wall time (without the held-out evaluations) and tokens/s. In a FILE that has the
 lines `<!-- plot --table: begin -->` and `<!-- plot --table: end -->`, only the table between them is replaced
 (docs/results.md). Runs given the same label are one method trained with different seeds: one table row (the mean
-over its runs, each training seed's value beside it) and one colour in the charts.
+over its runs, each training seed's value beside it) and one curve in the charts: the mean over its seeds.
 """
 
 from __future__ import annotations
@@ -60,15 +60,17 @@ def groups(runs: list[dict]) -> list[tuple[str, list[dict]]]:
     return list(by_name.items())
 
 
-def _colors(runs: list[dict]) -> list[str]:
-    index = {name: i for i, (name, _) in enumerate(groups(runs))}
-    return [f"C{index[run['name']]}" for run in runs]
+def _label(name: str, runs: list[dict]) -> str:
+    """A method's legend label: its name, and how many training seeds its curves average."""
+    return f"{name} (mean of {len(runs)} seeds)" if len(runs) > 1 else name
 
 
-def _label(run: dict, runs: list[dict]) -> str:
-    """The run's name, with its training seed when other runs share the name."""
-    shared = sum(r["name"] == run["name"] for r in runs) > 1
-    return f"{run['name']} (seed {run.get('seed')})" if shared else run["name"]
+def mean_over_seeds(series: list[tuple[list, list]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, mean, min, max) over several runs' (x, y) series, at the x values every run has: seeds of one method
+    share their update numbers, so the curve stays a mean of the same seeds all along."""
+    common = sorted(set.intersection(*(set(x) for x, _ in series))) if series else []
+    ys = np.array([[dict(zip(x, y))[c] for c in common] for x, y in series], float).reshape(len(series), -1)
+    return np.array(common, float), ys.mean(0), ys.min(0), ys.max(0)
 
 
 def training_seconds(run: dict, elapsed: float) -> float:
@@ -93,50 +95,90 @@ def _finish(fig, ax, out: pathlib.Path, plt, xlabel: str, ylabel: str, title: st
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3, axis=axis)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    # beside the axes, not on them: with a dozen curves an inside legend hides the data
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _x(run: dict, e: dict, x: str) -> float:
+    """An evaluation's place on the x axis: its update, or the run's training minutes by then."""
+    return e["update"] if x == "update" else training_seconds(run, e.get("elapsed_seconds", 0.0)) / 60
+
+
+def _val_points(runs: list[dict], x: str) -> np.ndarray:
+    """[n, 3] (x, mean success, mean partial credit) at each update where every seed was validated; on the time
+    axis at the seeds' mean time, since their clocks differ."""
+    by_run = [{e["update"]: e for e in run["evals"] if e["split"] == "val"} for run in runs]
+    rows = [[np.mean([_x(r, b[u], x) for r, b in zip(runs, by_run)]),
+             np.mean([b[u]["success"] for b in by_run]), np.mean([b[u].get("partial", np.nan) for b in by_run])]
+            for u in sorted(set.intersection(*(set(b) for b in by_run)))]
+    return np.array(rows, float).reshape(-1, 3)
+
+
+def _test_points(runs: list[dict], x: str) -> list[tuple[float, float, float, float]]:
+    """(x, mean success, pooled Wilson CI low, high) at each update where every seed has a test evaluation: the
+    table's numbers, so the chart and docs/results.md agree."""
+    from asyncres_jax.evaluate import wilson
+
+    by_run = [{e["update"]: e for e in run["evals"] if e["split"] == "test"} for run in runs]
+    points = []
+    for u in sorted(set.intersection(*(set(b) for b in by_run))):
+        es = [b[u] for b in by_run]
+        if len(es) == 1:
+            lo, hi = es[0].get("wilson") or es[0]["ci"]
+        else:
+            n = [e.get("episodes", e.get("tasks", 0)) for e in es]
+            lo, hi = wilson(sum(e["success"] * k for e, k in zip(es, n)), sum(n))
+        at = float(np.mean([_x(r, e, x) for r, e in zip(runs, es)]))
+        points.append((at, float(np.mean([e["success"] for e in es])), lo, hi))
+    return points
 
 
 def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for color, run in zip(_colors(runs), runs):
-        name = _label(run, runs)
-        upd, t, s, ci = _evals(run, "val")
-        xs = upd if x == "update" else t
-        if len(s):
-            ax.plot(xs, 100 * s, "o-", color=color, label=f"{name} validation")
-            ax.fill_between(xs, 100 * ci[:, 0], 100 * ci[:, 1], color=color, alpha=0.15)
-            partial = [100 * e.get("partial", np.nan) for e in run["evals"] if e["split"] == "val"]
-            ax.plot(xs, partial, "x:", color=color, label=f"{name} validation, partial credit")
-        upd, t, s, ci = _evals(run, "test")
-        xs = upd if x == "update" else t
-        if len(s):
-            err = 100 * np.abs(ci - s[:, None]).T
-            ax.errorbar(xs, 100 * s, yerr=err, fmt="s", color=color, capsize=4, label=f"{name} test")
+    grouped = groups(runs)
+    tests = [_test_points(g, x) for _, g in grouped]
+    span = max([p[0] for pts in tests for p in pts] + [1.0])
+    for i, ((name, group), points) in enumerate(zip(grouped, tests)):
+        color, label = f"C{i}", _label(name, group)
+        val = _val_points(group, x)
+        if len(val):
+            ax.plot(val[:, 0], 100 * val[:, 1], "o-", color=color, label=f"{label} validation")
+            ax.plot(val[:, 0], 100 * val[:, 2], "x:", color=color, label=f"{label} validation, partial credit")
+        if points:
+            # methods side by side, not on top of each other, at the same update
+            px, ps, lo, hi = (np.array(c) for c in zip(*points))
+            px = px + (i - (len(grouped) - 1) / 2) * 0.012 * span
+            ax.errorbar(px, 100 * ps, yerr=100 * np.abs(np.stack([lo, hi]) - ps), fmt="s", color=color, capsize=4,
+                        label=f"{label} test")
     # a flat zero curve still gets a readable frame: success from 0, the x axis at least one unit wide
     ax.set_ylim(0, max(5.0, ax.get_ylim()[1]))
     lo, hi = ax.get_xlim()
     ax.set_xlim(min(lo, -0.5), max(hi, 1.5))
     xlabel = "ES update / GRPO step" if x == "update" else "training wall clock (minutes, evaluations excluded)"
-    _finish(fig, ax, out, plt, xlabel, "held-out success (%)", "Held-out success (95% CI: bootstrap over tasks)")
+    _finish(fig, ax, out, plt, xlabel, "held-out success (%)",
+            "Held-out success (test: 95% Wilson CI over all seeds' episodes)")
 
 
 def _fitness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for color, run in zip(_colors(runs), runs):
-        u = run["updates"]
-        if not u:
+    for i, (name, group) in enumerate(groups(runs)):
+        color, label = f"C{i}", _label(name, group)
+        if not all(run["updates"] for run in group):
             continue
-        x = [r["update"] for r in u]
-        if "fitness_mean" in u[0]:
-            ax.plot(x, [r["fitness_mean"] for r in u], color=color, label=_label(run, runs))
-            ax.fill_between(x, [r["fitness_min"] for r in u], [r["fitness_max"] for r in u], color=color,
-                            alpha=0.15)
-        elif "reward_mean" in u[0]:  # a GRPO run: the mean reward of each step's episodes
-            ax.plot(x, [r["reward_mean"] for r in u], "--", color=color, label=f"{_label(run, runs)} (episode reward)")
-    _finish(fig, ax, out, plt, "ES update / GRPO step", "cohort fitness (mean; band: min-max)", "Training fitness")
+        key = "fitness_mean" if "fitness_mean" in group[0]["updates"][0] else "reward_mean"  # ES or GRPO
+        series = [([r["update"] for r in run["updates"]], [r.get(key, np.nan) for r in run["updates"]])
+                  for run in group]
+        x, mean, lo, hi = mean_over_seeds(series)
+        if len(group) == 1 and key == "fitness_mean":  # one seed: the band is the cohort's spread instead
+            u = group[0]["updates"]
+            lo, hi = [r["fitness_min"] for r in u], [r["fitness_max"] for r in u]
+        ax.plot(x, mean, "-" if key == "fitness_mean" else "--", color=color,
+                label=label if key == "fitness_mean" else f"{label} (episode reward)")
+        ax.fill_between(x, lo, hi, color=color, alpha=0.12)
+    _finish(fig, ax, out, plt, "ES update / GRPO step", "cohort fitness (mean over seeds)",
+            "Training fitness (band: the seeds' range; one seed: its cohort's min-max)")
 
 
 def staleness_counts(updates: list[dict]) -> dict[int, int]:
@@ -150,13 +192,18 @@ def staleness_counts(updates: list[dict]) -> dict[int, int]:
 
 def _staleness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    width = 0.8 / max(1, len(runs))
-    for i, (color, run) in enumerate(zip(_colors(runs), runs)):
-        counts = staleness_counts(run["updates"])
+    grouped = groups(runs)
+    width = 0.8 / max(1, len(grouped))
+    for i, (name, group) in enumerate(grouped):
+        counts: dict[int, int] = {}
+        for run in group:  # a method's seeds pooled
+            for k, v in staleness_counts(run["updates"]).items():
+                counts[k] = counts.get(k, 0) + v
         if counts:
             n = sum(counts.values())
-            ax.bar(np.array(list(counts)) + (i - (len(runs) - 1) / 2) * width, [100 * v / n for v in counts.values()],
-                   width=width, color=color, label=f"{_label(run, runs)} ({n})")
+            ax.bar(np.array(sorted(counts)) + (i - (len(grouped) - 1) / 2) * width,
+                   [100 * counts[k] / n for k in sorted(counts)], width=width, color=f"C{i}",
+                   label=f"{name} ({n} results" + (f" of {len(group)} seeds)" if len(group) > 1 else ")"))
     ax.xaxis.get_major_locator().set_params(integer=True)
     _finish(fig, ax, out, plt, "staleness of an accepted result (updates)", "share of accepted results (%)",
             "Staleness histogram", axis="y")
@@ -164,11 +211,13 @@ def _staleness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
 
 def _utilization_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for color, run in zip(_colors(runs), runs):
-        u = [r for r in run["updates"] if "utilization" in r]  # ES pools only
-        if u:
-            ax.plot([r["update"] for r in u], [100 * r["utilization"] for r in u], ".-", color=color,
-                    label=f"{_label(run, runs)} (mean {100 * np.mean([r['utilization'] for r in u]):.0f}%)")
+    for i, (name, group) in enumerate(groups(runs)):
+        series = [([r["update"] for r in run["updates"] if "utilization" in r],
+                   [r["utilization"] for r in run["updates"] if "utilization" in r]) for run in group]
+        if all(x for x, _ in series):  # ES pools only
+            x, mean, _, _ = mean_over_seeds(series)
+            overall = 100 * np.mean(np.concatenate([y for _, y in series]))
+            ax.plot(x, 100 * mean, ".-", color=f"C{i}", label=f"{_label(name, group)}: {overall:.0f}% overall")
     ax.set_ylim(0, 105)
     _finish(fig, ax, out, plt, "ES update", "worker utilisation (%)", "Worker utilisation per update")
 

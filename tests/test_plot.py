@@ -115,6 +115,12 @@ def test_runs_sharing_a_label_are_one_method_over_training_seeds(runs, tmp_path)
     lo, hi = wilson(0.28 * 50 + 0.33 * 50, 100)
     assert f"| ES | 4 | 32 | 30.5% [{100 * lo:.1f}%, {100 * hi:.1f}%] | 28.0% (seed 0) / 33.0% (seed 1) |" in rows[0]
     assert "+20.5 pts (p = 0.04, 0.04) | 20.0% -> 32.5% | 2.0 min | 100 |" in rows[0]
-    assert plot._colors(loaded) == ["C0", "C0"]
-    assert [plot._label(r, loaded) for r in loaded] == ["ES (seed 0)", "ES (seed 1)"]
+    # the charts draw the method once: the mean over its seeds, the test bar the table's pooled CI
+    assert plot._label("ES", loaded) == "ES (mean of 2 seeds)"
+    assert plot._test_points(loaded, "update") == [(0, pytest.approx(0.1), *wilson(0.1 * 100, 100)),
+                                                   (4, pytest.approx(0.305), lo, hi)]
+    val = plot._val_points(loaded, "update")
+    assert val[:, 0].tolist() == [0, 2, 4] and val[:, 1] == pytest.approx([0.2, 0.275, 0.325])
+    x, mean, low, high = plot.mean_over_seeds([([1, 2, 3], [0.1, 0.2, 0.3]), ([2, 3], [0.4, 0.5])])
+    assert x.tolist() == [2, 3] and mean == pytest.approx([0.3, 0.4]) and low.tolist() == [0.2, 0.3]
     assert len(plot.plot(loaded, tmp_path / "plots")) == len(plot.FILES)
