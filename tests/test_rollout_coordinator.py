@@ -148,6 +148,26 @@ def test_metrics_report_utilisation_waits_drops_and_wasted_work():
     assert (m.result_wait_mean, m.result_wait_max) == ((2.0 + 1.0 + 0.0) / 3, 2.0)
 
 
+def test_a_drained_pause_is_not_counted_as_idle_workers():
+    c = coordinator(population=2, num_workers=1, mode="sync")
+
+    def update(t):  # one worker runs the cohort's two jobs back to back, a second each
+        for k in range(2):
+            a = c.dispatch(t + k)
+            cohort = c.on_result(a.attempt_id, JobResult(1.0), t + k + 1)
+        return cohort.metrics
+
+    update(0.0)  # update 1 commits at t = 2
+    c.drain()
+    c.resume(now=60.0)  # 58 s of checkpoint and held-out evaluation while nothing ran
+    m = update(60.0)
+    assert (m.wall_seconds, m.busy_seconds, m.utilization) == (2.0, 2.0, 1.0)
+    c.drain()
+    c.resume()  # without a time (a simulation that does not pause) nothing is left out
+    m = update(70.0)
+    assert (m.wall_seconds, m.busy_seconds, m.utilization) == (10.0, 2.0, 0.2)
+
+
 def test_state_dict_round_trip_continues_the_same_schedule():
     def drive(c, until_version, t=0.0):
         while c.version < until_version:

@@ -91,7 +91,8 @@ def test_failed_and_hung_jobs_are_reissued_and_nothing_is_lost_or_double_counted
 
 def test_drain_accounts_every_running_job_and_resume_continues():
     cfg = PoolConfig(population=6, num_workers=3, mode="async", max_staleness=1)
-    pool, store, coord = make(cfg, sleepy)
+    hours = [0.0]  # a clock that jumps an hour while drained, as if a long evaluation ran
+    pool, store, coord = make(cfg, sleepy, clock=lambda: time.monotonic() + 3600 * hours[0])
     with pool:
         pool.run_until(3, timeout=30)
         pool.drain(timeout=30)
@@ -101,9 +102,13 @@ def test_drain_accounts_every_running_job_and_resume_continues():
         assert (coord.version, coord.dispatched, store.version) == frozen  # nothing moves while drained
         state = coord.state_dict(), store.state_dict()
         assert int(state[1]["version"]) == frozen[0]
+        hours[0] = 1.0
         pool.resume()
-        pool.run_until(frozen[0] + 2, timeout=30)
+        metrics = pool.run_until(frozen[0] + 2, timeout=30)
     assert not pool_threads()
+    # the drained hour is the trainer's, not idle workers': the next update's clock leaves it out
+    after = next(m for m in metrics if m.version == frozen[0])  # the update from version 3 to 4
+    assert after.wall_seconds < 60 and after.utilization > 0.1
 
 
 def test_an_error_in_the_learner_stops_the_pool_and_surfaces():

@@ -431,8 +431,13 @@ class Coordinator:
         """Stop handing out new jobs; running and re-issued jobs still finish and are accounted."""
         self.draining = True
 
-    def resume(self) -> None:
+    def resume(self, now: float | None = None) -> None:
+        """Hand out new jobs again. Given `now`, the time the drained coordinator sat idle (the trainer's checkpoint
+        and held-out evaluation) is left out of the current update's wall clock: it is not the workers' idleness."""
         self.draining = False
+        if now is not None and self._t_last is not None and self.quiescent and not self._abandoned:
+            self._t_commit += now - self._t_last
+            self._t_last = now
 
     def state_dict(self) -> dict:
         """Plain-Python state for a checkpoint; only valid when quiescent (drain first)."""

@@ -141,7 +141,7 @@ class RolloutPool:
 
     def resume(self) -> None:
         with self._cond:
-            self.coordinator.resume()
+            self.coordinator.resume(self.clock())
             self._cond.notify_all()
 
     def shutdown(self, timeout: float | None = 60.0) -> None:
