@@ -81,15 +81,6 @@ def training_seconds(run: dict, elapsed: float) -> float:
     return max(0.0, elapsed - sum(evals))
 
 
-def _evals(run: dict, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    rows = [e for e in run["evals"] if e["split"] == split]
-    upd = np.array([e["update"] for e in rows], float)
-    t = np.array([training_seconds(run, e.get("elapsed_seconds", 0.0)) / 60 for e in rows], float)
-    s = np.array([e["success"] for e in rows], float)
-    ci = np.array([e["ci"] for e in rows], float).reshape(-1, 2)
-    return upd, t, s, ci
-
-
 def _finish(fig, ax, out: pathlib.Path, plt, xlabel: str, ylabel: str, title: str, axis: str = "both") -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -99,6 +90,14 @@ def _finish(fig, ax, out: pathlib.Path, plt, xlabel: str, ylabel: str, title: st
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def pooled_wilson(evals: list[dict]) -> tuple[float, float]:
+    """95% Wilson CI over all episodes of several evaluations (one method's seeds)."""
+    from asyncres_jax.evaluate import wilson
+
+    n = [e.get("episodes", e.get("tasks", 0)) for e in evals]
+    return wilson(sum(e["success"] * k for e, k in zip(evals, n)), sum(n))
 
 
 def _x(run: dict, e: dict, x: str) -> float:
@@ -119,17 +118,11 @@ def _val_points(runs: list[dict], x: str) -> np.ndarray:
 def _test_points(runs: list[dict], x: str) -> list[tuple[float, float, float, float]]:
     """(x, mean success, pooled Wilson CI low, high) at each update where every seed has a test evaluation: the
     table's numbers, so the chart and docs/results.md agree."""
-    from asyncres_jax.evaluate import wilson
-
     by_run = [{e["update"]: e for e in run["evals"] if e["split"] == "test"} for run in runs]
     points = []
     for u in sorted(set.intersection(*(set(b) for b in by_run))):
         es = [b[u] for b in by_run]
-        if len(es) == 1:
-            lo, hi = es[0].get("wilson") or es[0]["ci"]
-        else:
-            n = [e.get("episodes", e.get("tasks", 0)) for e in es]
-            lo, hi = wilson(sum(e["success"] * k for e, k in zip(es, n)), sum(n))
+        lo, hi = (es[0].get("wilson") or es[0]["ci"]) if len(es) == 1 else pooled_wilson(es)
         at = float(np.mean([_x(r, e, x) for r, e in zip(runs, es)]))
         points.append((at, float(np.mean([e["success"] for e in es])), lo, hi))
     return points
@@ -195,10 +188,7 @@ def _staleness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     grouped = groups(runs)
     width = 0.8 / max(1, len(grouped))
     for i, (name, group) in enumerate(grouped):
-        counts: dict[int, int] = {}
-        for run in group:  # a method's seeds pooled
-            for k, v in staleness_counts(run["updates"]).items():
-                counts[k] = counts.get(k, 0) + v
+        counts = staleness_counts([r for run in group for r in run["updates"]])  # a method's seeds pooled
         if counts:
             n = sum(counts.values())
             ax.bar(np.array(sorted(counts)) + (i - (len(grouped) - 1) / 2) * width,
@@ -264,8 +254,6 @@ def _run_stats(run: dict) -> dict:
 
 def _row(name: str, runs: list[dict]) -> str:
     """One table row: a run, or the mean over the runs of one method (its training seeds)."""
-    from asyncres_jax.evaluate import wilson
-
     st = [_run_stats(run) for run in runs]
     tests = [x["test"] for x in st]
     vals = [x["val"] for x in st if x["val"]]
@@ -280,8 +268,7 @@ def _row(name: str, runs: list[dict]) -> str:
         vs = f"{100 * c['difference']:+.1f} pts (p = {c['p_value']:.2f})" if c else "n/a"
     elif all(tests):
         mean = float(np.mean([t["success"] for t in tests]))
-        n = [t.get("episodes", t.get("tasks", 0)) for t in tests]
-        lo, hi = wilson(sum(t["success"] * k for t, k in zip(tests, n)), sum(n))
+        lo, hi = pooled_wilson(tests)
         test_s = f"{_pct(mean)} [{_pct(lo)}, {_pct(hi)}]"
         seeds = " / ".join(f"{_pct(t['success'])} (seed {run.get('seed')})" for t, run in zip(tests, runs))
         vs = "n/a"
