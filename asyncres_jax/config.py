@@ -102,6 +102,8 @@ class SandboxSection:
 
 @dataclass
 class ESSection:
+    """The ES core's options (es.ESConfig: `core()` converts, and its checks are the section's) and the run's."""
+
     updates: int = opt(120, "ES updates to run")
     population: int = opt(30, "perturbations (members) per update, N")
     sigma: float = opt(0.0015, "noise scale")
@@ -111,17 +113,28 @@ class ESSection:
     shaping: str = opt("zscore", "fitness shaping: zscore, centered_rank or raw")
     antithetic: bool = opt(False, "mirrored pairs (+eps, -eps); population must be even")
     optimizer: str = opt("sgd", "sgd (the paper's rule) or adam")
+    divide_by_sigma: bool = opt(False, "estimate sum z_i eps_i / (N sigma) (the textbook gradient) instead of / N")
+    weight_decay: float = opt(0.0, "decoupled pull toward the initial parameters: theta -= alpha * wd * (theta - "
+                                   "theta0); > 0 turns replay off (replicas copy the weights)")
+    adam_b1: float = opt(0.9, "optimizer=adam: first-moment decay")
+    adam_b2: float = opt(0.999, "optimizer=adam: second-moment decay")
+    adam_eps: float = opt(1e-8, "optimizer=adam: epsilon")
     tasks_per_member: int = opt(256, "tasks each member is evaluated on per update")
     batched_population: bool = opt(False, "lowrank only: run a whole cohort as one batch over one copy of W")
 
+    def core(self):
+        """The es.ESConfig of this section (every field that ESConfig has)."""
+        from asyncres_jax import es  # the ES core's import is heavy (jax); configs are read without it
+
+        return es.ESConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(es.ESConfig)})
+
     def __post_init__(self):
-        for name in ("updates", "population", "sigma", "alpha", "rank", "tasks_per_member"):
+        for name in ("updates", "tasks_per_member"):
             _positive("es", name, getattr(self, name))
-        _choice("es", "noise", self.noise, ("iid", "shared", "lowrank"))
-        _choice("es", "shaping", self.shaping, ("zscore", "centered_rank", "raw"))
-        _choice("es", "optimizer", self.optimizer, ("sgd", "adam"))
-        if self.antithetic and self.population % 2:
-            raise UserError(f"es.population={self.population} must be even with es.antithetic=true")
+        try:
+            self.core()
+        except UserError as e:  # the core names its fields ESConfig.NAME; here they are YAML keys
+            raise UserError(str(e).replace("ESConfig.", "es.")) from None
         if self.batched_population and self.noise != "lowrank":
             raise UserError("es.batched_population=true needs es.noise=lowrank")
 
@@ -225,9 +238,15 @@ class TrainConfig:
 
     def __post_init__(self):
         _choice("", "algo", self.algo, ("es", "grpo"))
-        from asyncres_jax.mesh import parse_mesh  # noqa: PLC0415 (keeps config import light)
+        from asyncres_jax.mesh import parse_mesh  # mesh imports jax: only when a config is built
 
         parse_mesh(self.mesh)
+        if self.algo == "es" and self.model.dtype == "bfloat16":
+            # One update at the paper's sigma and alpha is below half a bf16 ulp of about half a kernel's entries:
+            # they would not move, and the run would learn less than its log of updates says.
+            raise UserError("model.dtype=bfloat16 with algo=es: an ES step is smaller than bfloat16 resolves for many "
+                            "weights, so they would silently not change; use model.dtype=float32 (and "
+                            "model.rollout_dtype=bfloat16 for small rollout copies)")
 
 
 def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> TrainConfig:

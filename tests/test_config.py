@@ -78,3 +78,27 @@ def test_a_config_builds_on_its_base(tmp_path):
     (tmp_path / "orphan.yaml").write_text("base: missing.yaml\n")
     with pytest.raises(UserError, match="missing.yaml does not exist"):
         load_config(tmp_path / "orphan.yaml")
+
+
+def test_every_option_of_the_es_core_is_reachable_from_yaml_and_listed(tmp_path):
+    import dataclasses
+
+    from asyncres_jax import es
+
+    listed = "\n".join(describe())
+    for f in dataclasses.fields(es.ESConfig):
+        assert f"es.{f.name} = " in listed
+    (tmp_path / "c.yaml").write_text("es:\n  optimizer: adam\n  adam_b1: 0.8\n  weight_decay: 0.01\n"
+                                     "  divide_by_sigma: true\n")
+    core = load_config(tmp_path / "c.yaml").es.core()
+    assert core == es.ESConfig(optimizer="adam", adam_b1=0.8, weight_decay=0.01, divide_by_sigma=True)
+    with pytest.raises(UserError, match=r"^es.weight_decay=-1.0 is not valid; it must be a finite number >= 0$"):
+        load_config(None, ["es.weight_decay=-1"])
+
+
+def test_an_es_learner_in_bfloat16_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"^model.dtype=bfloat16 with algo=es: .*use model.dtype=float32") as e:
+        load_config(None, ["model.dtype=bfloat16"])
+    assert "\n" not in str(e.value)
+    assert load_config(None, ["model.dtype=bfloat16", "algo=grpo"]).model.dtype == "bfloat16"  # GRPO's own rule
+    assert load_config(None, ["model.rollout_dtype=bfloat16"]).model.rollout_dtype == "bfloat16"

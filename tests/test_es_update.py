@@ -64,7 +64,8 @@ def test_antithetic_update_uses_half_the_seeds_with_mirrored_members():
     # the members are exactly what perturb gives for (seed k, +) and (seed k, -)
     eps = es.noise(params, 22, cfg)
     minus = es.perturb(params, 22, cfg, sign=-1)
-    np.testing.assert_allclose(minus["final_norm"]["scale"], params["final_norm"]["scale"] - 0.05 * eps["final_norm"]["scale"], rtol=1e-6)
+    np.testing.assert_allclose(minus["final_norm"]["scale"],
+                               params["final_norm"]["scale"] - 0.05 * eps["final_norm"]["scale"], rtol=1e-6)
 
 
 def test_weight_decay_pulls_toward_the_initial_parameters():
@@ -86,7 +87,8 @@ def test_adam_option_applies_optax_adam_to_the_negated_estimate():
         fitness = np.roll(FITNESS, step)
         params, state = es.update(params, state, seeds, fitness, cfg)
         z = (fitness - fitness.mean()) / (fitness.std() + 1e-8)
-        est = jax.tree.map(lambda r, p: (np.asarray(r) - np.asarray(p)) / 1.0, numpy_update(ref, seeds, z, es.ESConfig(population=6, alpha=1.0)), ref)
+        est = jax.tree.map(lambda r, p: (np.asarray(r) - np.asarray(p)) / 1.0,
+                           numpy_update(ref, seeds, z, es.ESConfig(population=6, alpha=1.0)), ref)
         updates, ref_state = tx.update(jax.tree.map(lambda g: -jnp.asarray(g, jnp.float32), est), ref_state)
         ref = optax.apply_updates(ref, updates)
     assert_close_tree(params, jax.tree.map(np.asarray, ref), atol=1e-5)
@@ -111,7 +113,8 @@ def test_shaping_zscore_centered_rank_raw():
     assert z.dtype == np.float32
     np.testing.assert_allclose(z, (r - r.mean()) / (r.std() + 1e-8), rtol=1e-6)
     ranks = es.shape_fitness(r, es.ESConfig(population=4, shaping="centered_rank"))
-    np.testing.assert_allclose(ranks, [-(0.5 - 0.5 / 3), 0.5, -(0.5 - 0.5 / 3), 2 / 3 - 0.5], rtol=1e-6)  # ties share rank 0.5
+    # ties share rank 0.5
+    np.testing.assert_allclose(ranks, [-(0.5 - 0.5 / 3), 0.5, -(0.5 - 0.5 / 3), 2 / 3 - 0.5], rtol=1e-6)
     np.testing.assert_array_equal(es.shape_fitness(r, es.ESConfig(population=4, shaping="raw")), r.astype(np.float32))
 
 
@@ -175,3 +178,20 @@ def test_update_drawing_noise_by_blocks_of_rows_is_bit_identical(monkeypatch):
     blocked, _ = es.update(params, es.init(params, cfg), seeds, FITNESS, cfg)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(blocked)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_learner_would_silently_drop_most_of_an_update():
+    """Why `model.dtype: bfloat16` is refused for ES: at the paper's sigma and alpha one step is below half a
+    bf16 ulp of most weights, so they do not move; float32 masters take the step everywhere."""
+    from asyncres_jax.model.tiny import tiny_model
+
+    cfg = es.ESConfig()
+    seeds = [es.member_seed(0, 0, i) for i in range(cfg.population)]
+    fitness = np.random.default_rng(0).random(cfg.population)
+    unchanged = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        params = jax.tree.map(lambda x: x.astype(dtype), tiny_model(0).params)
+        new, _ = es.update(params, es.init(params, cfg), seeds, fitness, cfg)
+        before, after = (np.asarray(p["layers"][0]["mlp"]["up_proj"]["kernel"], np.float32) for p in (params, new))
+        unchanged[jnp.dtype(dtype).name] = float(np.mean(before == after))
+    assert unchanged["float32"] < 0.01 and unchanged["bfloat16"] > 0.3
