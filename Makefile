@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make train   # the main job on the CPU default (SmolLM2-135M-Instruct)
-#   make test    # the whole test suite (CPU; installs what it needs)
+#   make test    # ruff, then the whole test suite (CPU; installs what it needs)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -23,6 +23,7 @@ system:
 	bash scripts/setup_system.sh
 
 test: venv system
+	$(BIN)/ruff check .
 	bash scripts/with_services.sh $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 train: venv system

@@ -102,7 +102,7 @@ class Checkpointer:
                 arrays = self._manager.restore(step, args=ocp.args.Composite(
                     arrays=ocp.args.StandardRestore(target))).arrays
                 return Restored(step, dict(arrays), meta)
-            except Exception as e:  # noqa: BLE001 - any unreadable step is set aside; UserError is re-raised
+            except Exception as e:  # any unreadable step is set aside; UserError is re-raised
                 from asyncres_jax.errors import UserError
 
                 if isinstance(e, UserError):

@@ -11,7 +11,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))

@@ -283,7 +283,8 @@ def test_aliases_parse_and_bad_ones_are_user_errors(monkeypatch):
     with pytest.raises(UserError, match="IMAGE=LOCAL_IMAGE"):
         db.parse_aliases("ubuntu:22.04")
     assert db.rewrite_from("FROM ubuntu:22.04 AS a\nRUN echo FROM ubuntu:22.04\nfrom --platform=x ubuntu:22.04\n",
-                           {"ubuntu:22.04": "b:1"}) == "FROM b:1 AS a\nRUN echo FROM ubuntu:22.04\nfrom --platform=x b:1\n"
+                           {"ubuntu:22.04": "b:1"}) == (
+        "FROM b:1 AS a\nRUN echo FROM ubuntu:22.04\nfrom --platform=x b:1\n")
 
 
 def test_owner_tokens_tell_dead_processes_from_live_ones():

@@ -42,7 +42,8 @@ def test_linear_objective_estimator_mean_is_the_true_gradient_within_its_confide
     assert np.all(np.abs(mean - G_D) < 4 * stderr), (mean, G_D, stderr)
     assert np.all(stderr < 0.25)  # the interval is tight enough to mean something
     # the paper's z-scored, un-normalised rule points the same way
-    z_rd = estimates(params, lambda w: float(jnp.dot(w, G_D)), es.ESConfig(population=30, sigma=0.1, alpha=1.0), reps=20)
+    z_rd = estimates(params, lambda w: float(jnp.dot(w, G_D)), es.ESConfig(population=30, sigma=0.1, alpha=1.0),
+                     reps=20)
     assert cosine(z_rd.mean(0), G_D) > 0.95
 
 

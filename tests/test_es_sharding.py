@@ -12,7 +12,8 @@ from asyncres_jax import es
 
 SPECS = {
     "embed": {"embedding": P(None, "model")},
-    "layers": {0: {"q_proj": {"kernel": P("data", "model"), "bias": P("model")}, "o_proj": {"kernel": P("model", "data")}}},
+    "layers": {0: {"q_proj": {"kernel": P("data", "model"), "bias": P("model")},
+                   "o_proj": {"kernel": P("model", "data")}}},
     "final_norm": {"scale": P()},
 }
 
@@ -21,7 +22,8 @@ def host_params():
     k = jax.random.split(jax.random.key(3), 3)
     return {
         "embed": {"embedding": np.asarray(jax.random.normal(k[0], (16, 4)))},
-        "layers": {0: {"q_proj": {"kernel": np.asarray(jax.random.normal(k[1], (8, 6))), "bias": np.zeros(6, np.float32)},
+        "layers": {0: {"q_proj": {"kernel": np.asarray(jax.random.normal(k[1], (8, 6))),
+                                  "bias": np.zeros(6, np.float32)},
                        "o_proj": {"kernel": np.asarray(jax.random.normal(k[2], (6, 8)))}}},
         "final_norm": {"scale": np.ones(4, np.float32)},
     }

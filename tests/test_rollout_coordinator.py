@@ -41,7 +41,8 @@ def test_jobs_carry_version_member_seed_and_common_random_numbers():
     c = coordinator(global_seed=3)
     jobs = [c.dispatch(0.0).job for _ in range(3)]
     assert [j.job_id for j in jobs] == [0, 1, 2]
-    assert [(j.dispatch_version, j.member_index, j.member_seed) for j in jobs] == [(0, i, seed_of(3, 0, i)) for i in range(3)]
+    assert [(j.dispatch_version, j.member_index, j.member_seed) for j in jobs] == [
+        (0, i, seed_of(3, 0, i)) for i in range(3)]
     assert {(j.task_batch_id, j.sampling_seed) for j in jobs} == {batch_seeds(3, 0)}
     assert batch_seeds(3, 0) != batch_seeds(3, 1) and batch_seeds(3, 0) != batch_seeds(4, 0)
 
@@ -79,7 +80,8 @@ def test_sync_dispatches_nothing_of_the_next_version_before_the_barrier():
 def test_controlled_held_back_jobs_still_run_when_the_cohort_commits_first():
     # One worker, N=4 held_back=1 delay=1: version 0 commits after its 4 fresh results, before its held-back
     # job started; that job keeps version 0 and joins cohort 1 exactly one update late.
-    c = Coordinator(PoolConfig(population=4, num_workers=1, mode="controlled", held_back=1, delay=1), member_seed=seed_of)
+    c = Coordinator(PoolConfig(population=4, num_workers=1, mode="controlled", held_back=1, delay=1),
+                    member_seed=seed_of)
     t, cohorts = 0.0, []
     while len(cohorts) < 3:
         a = c.dispatch(t)

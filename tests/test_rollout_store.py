@@ -15,7 +15,8 @@ def noise(seed, shape):
 
 
 def sgd(params, seeds, shaped):
-    return {k: v + np.float32(0.01) * sum(z * noise(s, v.shape) for s, z in zip(seeds, shaped)) for k, v in params.items()}
+    return {k: v + np.float32(0.01) * sum(z * noise(s, v.shape) for s, z in zip(seeds, shaped))
+            for k, v in params.items()}
 
 
 def zscore(fitness):
@@ -28,7 +29,8 @@ def make_store(stateful=False, **kw):
         def apply(p, m, seeds, z):
             m = {k: 0.9 * m[k] + (sgd(p, seeds, z)[k] - p[k]) for k in p}
             return {k: p[k] + m[k] for k in p}, m
-        return ParamStore(params, {k: np.zeros_like(v) for k, v in params.items()}, apply_update=apply, shape=zscore, **kw)
+        return ParamStore(params, {k: np.zeros_like(v) for k, v in params.items()}, apply_update=apply, shape=zscore,
+                          **kw)
     return ParamStore(params, apply_update=lambda p, o, s, z: (sgd(p, s, z), o), shape=zscore, replay=sgd, **kw)
 
 

@@ -44,7 +44,8 @@ def test_cli_check_prints_one_json_object_per_task(tmp_path):
                         "--backend", "bwrap", "--oracle", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(ln) for ln in r.stdout.splitlines()]
-    assert [x["task"] for x in rows] == sorted(p.name for p in (tmp_path / "ds").iterdir() if p.name != "splits") + [FIXTURE.name]
+    names = sorted(p.name for p in (tmp_path / "ds").iterdir() if p.name != "splits")
+    assert [x["task"] for x in rows] == names + [FIXTURE.name]
     assert all(x["reward"] == 1 and x["partial"] == 1.0 and x["seconds"] > 0 for x in rows)
     noop = subprocess.run([sys.executable, "-m", "asyncres_jax.tasks", "check", str(FIXTURE), "--noop", "--json"],
                           capture_output=True, text=True, timeout=300)

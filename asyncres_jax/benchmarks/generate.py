@@ -51,8 +51,10 @@ def torch_model_from(model):
         hf_cfg.attention_bias = c.attention_bias
     tm = getattr(transformers, c.architecture)(hf_cfg).float().eval()
     p = model.params
-    t = lambda x, transpose=False: torch.from_numpy(np.array(x, np.float32).T.copy() if transpose
-                                                    else np.array(x, np.float32))
+
+    def t(x, transpose=False):
+        a = np.array(x, np.float32)
+        return torch.from_numpy(a.T.copy() if transpose else a)
     sd = {"model.embed_tokens.weight": t(p["embed"]["embedding"]), "model.norm.weight": t(p["final_norm"]["scale"])}
     for i in range(c.num_layers):
         lp, pre = p["layers"][i], f"model.layers.{i}."
@@ -142,7 +144,8 @@ def roofline(model, batch: int, repeats: int = 7) -> dict:
         torch_dense()
         ts.append(time.perf_counter() - t0)
     t_torch = min(ts[1:])
-    return res | {"torch_dense_step_ms": round(t_torch * 1e3, 4), "torch_dense_gflop_s": round(flops / t_torch / 1e9, 1)}
+    return res | {"torch_dense_step_ms": round(t_torch * 1e3, 4),
+                  "torch_dense_gflop_s": round(flops / t_torch / 1e9, 1)}
 
 
 def _dense_step_torch(params, x_bd, cfg):

@@ -10,7 +10,7 @@ Also `lowrank_gather`: `lowrank` with the per-row gather contraction instead of 
 
 EOS is disabled so every row generates exactly --new-tokens tokens (the same work in every variant); greedy
 decoding. Each variant runs once to compile, then --repeats times interleaved (a, b, c, a, b, c, ...), and the
-median is reported. Targets (issue 5): lowrank at least 2x faster than fullrank, and at least 80% of plain.
+median is reported. Targets: lowrank at least 2x faster than fullrank, and at least 80% of plain.
 """
 
 from __future__ import annotations

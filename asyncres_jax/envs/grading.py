@@ -1,6 +1,6 @@
 """Backend-neutral grading: the shell script that runs inside an environment, and the parser of its output.
 
-PAPER.md: at grading time the task's tests folder is at /tests; /tests/test.sh runs when present and the
+As in the paper: at grading time the task's tests folder is at /tests; /tests/test.sh runs when present and the
 reward file it writes (/logs/verifier/reward.txt) decides; otherwise `pytest /tests/test_final_state.py`
 decides. The partial credit is the fraction of final-state tests that passed, read from pytest's summary line
 (or its -rA lines), so a small model that gets 3 of 4 checks right is told so.
@@ -34,8 +34,9 @@ def grade_script(*, workdir: str = "/home/user", shims_dir: str | None = None,
     PYTHONSAFEPATH/PYTHONNOUSERSITE: a module the agent planted in its home (a fake pytest.py, a
     usercustomize) must not be importable by the tests.
     """
-    path = f'export PATH={shlex.quote(shims_dir)}:"$PATH" PYTHONPATH={shlex.quote(shims_dir)}${{PYTHONPATH:+:$PYTHONPATH}} ' \
-           'PYTEST_PLUGINS=asyncres_ctrf\n' if shims_dir else ""
+    shims = shlex.quote(shims_dir) if shims_dir else ""
+    path = (f'export PATH={shims}:"$PATH" PYTHONPATH={shims}${{PYTHONPATH:+:$PYTHONPATH}} '
+            'PYTEST_PLUGINS=asyncres_ctrf\n') if shims_dir else ""
     test_sh = f"{TESTS_DIR}/test.sh" if use_test_sh else "/nonexistent/test.sh"
     return f"""\
 export PYTHONDONTWRITEBYTECODE=1 PYTHONSAFEPATH=1 PYTHONNOUSERSITE=1
@@ -121,7 +122,8 @@ missing() {  # $1 package, $2 kind; fails unless the package is optional
     echo "warning: $2 package '$1' is not installed on the host and cannot be installed offline; skipped" >&2
     return 0;;
   esac
-  echo "error: $2 package '$1' is not installed on the host and cannot be installed offline; install it on the host (see scripts/setup_system.sh)" >&2
+  echo "error: $2 package '$1' is not installed on the host and cannot be installed offline;" \
+       "install it on the host (see scripts/setup_system.sh)" >&2
   return 1
 }
 
@@ -166,7 +168,8 @@ run_tool() {  # uvx / uv run: drop uv's options (keeping --with packages to chec
   while [ $# -gt 0 ]; do
     case "$1" in
       --with|-w) withs="$withs $2"; shift 2;;
-      --from|-p|--python|--with-requirements|--with-editable|--index|--index-url|--extra-index-url|--directory|--project) shift 2;;
+      --from|-p|--python|--with-requirements|--with-editable|--index|--index-url|--extra-index-url) shift 2;;
+      --directory|--project) shift 2;;
       --) shift; break;;
       -*) shift;;
       *) break;;

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from asyncres_jax.envs.task import Task
 
-OUTPUT_CAP = 50_000  # characters of command output an observation keeps (PAPER.md)
+OUTPUT_CAP = 50_000  # characters of command output an observation keeps (the paper's cap)
 
 _ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07]*(\x07|\x1b\\)|\x1b[@-Z\\-_]")
 

@@ -26,7 +26,7 @@ SPLITS = ("train", "val", "test")
 SETUP_SCRIPT = "setup.sh"  # environment/setup.sh, preferred over the Dockerfile when both exist
 
 # Harbor's defaults when task.toml leaves a field out.
-DEFAULT_AGENT_TIMEOUT_S = 300.0  # PAPER.md: 300 s wall clock per episode
+DEFAULT_AGENT_TIMEOUT_S = 300.0  # the paper's 300 s wall clock per episode
 DEFAULT_VERIFIER_TIMEOUT_S = 120.0
 DEFAULT_CPUS = 1
 DEFAULT_MEMORY_MB = 2048

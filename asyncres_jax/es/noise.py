@@ -1,6 +1,6 @@
 """ES noise from integer seeds: never stored, rebuilt bit-identically anywhere.
 
-The rule (docs: ARCHITECTURE.md, "Randomness"):
+The rule:
     key of a leaf = fold_in(key(member_seed), stable_hash(leaf_path))
 where leaf_path is "/".join of the leaf's dict keys ("layers/3/attn/q_proj/kernel"). Noise is drawn in float32
 with the partitionable threefry, so a sharded draw produces the same numbers as an unsharded one.

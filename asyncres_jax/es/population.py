@@ -7,8 +7,8 @@ With low-rank noise a member's weight matrix is W + s * sigma * A B^T / sqrt(r),
 and rows of one batch can belong to different members while sharing W. `LowRankPopulation` is the decoder's
 `perturbation` (model/decoder.py, `Perturbation`): it holds, per weight leaf, the factors of every distinct
 noise seed stacked on a leading axis (drawn by es.noise's per-leaf rule, bit for bit es.lowrank_factors,
-the factors behind es.perturb in `lowrank` mode), and per batch row which seed and which sign (times sigma) the row uses. Vectors (norm scales,
-biases) take their full-rank noise per row.
+the factors behind es.perturb in `lowrank` mode), and per batch row which seed and which sign (times sigma)
+the row uses. Vectors (norm scales, biases) take their full-rank noise per row.
 
 It lives in es/ because it is the ES noise rule applied inside the forward instead of to the weights; it
 imports nothing from the model (the decoder only calls `dense`, `embed` and `vector`).
@@ -166,7 +166,8 @@ class LowRankPopulation:
         rows_idx = np.asarray(rows_idx, np.int32)
         if rows_idx.ndim != 1 or (rows_idx.size and not 0 <= rows_idx.min() <= rows_idx.max() < self.num_rows):
             raise ValueError(f"take_rows: indices {rows_idx.tolist()} out of range for {self.num_rows} rows")
-        return dataclasses.replace(self, seed_b=jnp.take(self.seed_b, rows_idx), scale_b=jnp.take(self.scale_b, rows_idx))
+        return dataclasses.replace(self, seed_b=jnp.take(self.seed_b, rows_idx),
+                                   scale_b=jnp.take(self.scale_b, rows_idx))
 
     def with_contraction(self, contraction: str) -> "LowRankPopulation":
         if contraction not in CONTRACTIONS:

@@ -52,7 +52,7 @@ def optimizer(cfg: ESConfig) -> optax.GradientTransformation:
 
 
 def init(params, cfg: ESConfig) -> ESState:
-    """Optimiser state for `params` (float32 master parameters recommended: see PAPER.md on bf16 masters)."""
+    """Optimiser state for `params` (float32 master parameters: a bf16 master rounds most ES steps away)."""
     tx = optimizer(cfg)
     opt = jax.tree.map(tx.init, params)
     anchor = jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params) if cfg.weight_decay > 0 else None
@@ -153,7 +153,8 @@ def apply_logged_update(params, opt_state: ESState, seeds, shaped_fitness, cfg: 
     leaves = [x for _, x in flat]
     for kp, x in flat:
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise UserError(f"parameter {jax.tree_util.keystr(kp)} has dtype {x.dtype}; ES perturbs floating leaves only")
+            raise UserError(f"parameter {jax.tree_util.keystr(kp)} has dtype {x.dtype}; "
+                            "ES perturbs floating leaves only")
     expected = _state_structure(treedef, tuple((x.shape, x.dtype) for x in leaves), cfg)
     if not isinstance(opt_state, ESState) or jax.tree.structure(opt_state) != expected:
         raise UserError("opt_state does not match the parameters or the ES config; build it with es.init(params, cfg)")

@@ -1,6 +1,6 @@
 """The GRPO objective: group-normalised advantages, the PPO-clipped ratio loss and the k3 KL penalty.
 
-Per trained token t of an episode with advantage A (DeepSeekMath's GRPO, as in PAPER.md):
+Per trained token t of an episode with advantage A (DeepSeekMath's GRPO, as in the paper):
 
     ratio_t = exp(logp_t - old_logp_t)                      old: the sampling distribution's log-prob
     pg_t    = -min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A)

@@ -252,8 +252,8 @@ class Coordinator:
 
     def unresolved_versions(self) -> set[int]:
         """Dispatch versions of jobs still running or waiting to be re-issued."""
-        return {a.job.dispatch_version for a in self._live.values()} | {j.dispatch_version for j, _ in self._reissue} | {
-            j.dispatch_version for j in self._carry}
+        return ({a.job.dispatch_version for a in self._live.values()}
+                | {j.dispatch_version for j, _ in self._reissue} | {j.dispatch_version for j in self._carry})
 
     @property
     def quiescent(self) -> bool:

@@ -5,7 +5,7 @@ generation), the commands of that turn run in their sandboxes in parallel, and e
 batch (and are graded and torn down at once, while the rest play on). The protocol is in protocol.py.
 
 An episode ends when the policy says done, after `max_turns` replies, or when its wall-clock budget runs out;
-a timed-out episode scores 0 and is not graded (PAPER.md). Its clock starts once its sandbox is up.
+a timed-out episode scores 0 and is not graded (as in the paper). Its clock starts once its sandbox is up.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ class ModelPolicy(Policy):
     `engine.extend` (no re-prefill of the history; the engine keeps a rolling context), and episodes that ended
     leave the batch, their token state kept for the results.
 
-    perturbation_fn is the hook for a low-rank population (issue 5): given the episode indices in the batch,
+    perturbation_fn is the hook for a low-rank population (rollout/cohort.py): given the episode indices in the batch,
     in batch order, it returns the engine's `perturbation` for those rows (e.g. each row's member and sign).
     It is called whenever the batch changes, so rows and perturbation always line up.
 
@@ -325,7 +325,7 @@ def run_episodes(
         for ep, fut in zip(eps, starts):  # collect every sandbox that did start, so `finally` closes it
             try:
                 ep.sandbox, ep.start_s = fut.result()
-            except BaseException as e:  # noqa: BLE001 - re-raised below once all starts are accounted for
+            except BaseException as e:  # re-raised below once all starts are accounted for
                 errors.append(e)
         if errors:
             raise errors[0]
@@ -398,7 +398,7 @@ def run_episodes(
             if ep.sandbox is not None and (ep.finish is None or ep.finish.cancelled()):
                 try:
                     ep.sandbox.close()
-                except Exception:  # noqa: BLE001 - keep closing the others; an error is already propagating
+                except Exception:  # keep closing the others; an error is already propagating
                     pass
         pool.shutdown(wait=True)
         for fut in starts:  # a start that finished after an interrupt left its sandbox unclaimed

@@ -1,7 +1,7 @@
 """The Endless Terminals agent protocol: system prompt, reply parsing, observation texts and the nudge.
 
 A reply may think inside <think>...</think>, then either runs one shell command, <command>...</command>, or
-ends the episode with <action>done</action>. Parsing follows the reference rules (PAPER.md): `done` wins;
+ends the episode with <action>done</action>. Parsing follows the reference rules (the paper's): `done` wins;
 otherwise the LAST command block runs; anything else is answered with a fixed nudge. Thinking is the model
 talking to itself, so a command or `done` inside a closed <think> block is not acted on.
 """

@@ -72,7 +72,8 @@ class ParamStore:
     def entries(self, from_version: int, to_version: int) -> list[LogEntry]:
         with self._lock:
             if from_version < self.log_start or to_version > self.version:
-                raise KeyError(f"log holds versions {self.log_start}..{self.version}, asked {from_version}..{to_version}")
+                raise KeyError(f"log holds versions {self.log_start}..{self.version}, "
+                               f"asked {from_version}..{to_version}")
             return [self._log[v] for v in range(from_version, to_version)]
 
     def plan(self, from_version: int | None, to_version: int) -> SyncKind:
@@ -124,4 +125,5 @@ class ParamStore:
             seeds, shaped = np.asarray(state["log_seeds"])[:n], np.asarray(state["log_shaped"], np.float32)[:n]
             if len(seeds) != n or len(shaped) != n:
                 raise ValueError(f"log has {len(seeds)} entries for versions {self.log_start}..{self.version}")
-            self._log = {self.log_start + i: LogEntry(self.log_start + i, s, z) for i, (s, z) in enumerate(zip(seeds, shaped))}
+            self._log = {self.log_start + i: LogEntry(self.log_start + i, s, z)
+                         for i, (s, z) in enumerate(zip(seeds, shaped))}

@@ -86,7 +86,8 @@ def initial_checks(spec: Spec) -> list[tuple[str, str]]:
             continue  # written by the Dockerfile only to be packed and removed (archives)
         p = repr(f.path)
         if f.link is not None:
-            checks.append((f"link_{i}", f"assert os.path.islink(HOME / {p})\nassert os.readlink(HOME / {p}) == {f.link!r}"))
+            checks.append((f"link_{i}",
+                           f"assert os.path.islink(HOME / {p})\nassert os.readlink(HOME / {p}) == {f.link!r}"))
         elif f.size is not None:
             checks.append((f"file_{i}", f"assert (HOME / {p}).stat().st_size == {f.size}"))
         else:
