@@ -14,7 +14,8 @@ results by arrival time, which differs between processes, so it is refused here 
 machines are Ray actors instead: docs/scaling.md).
 
 Process 0 alone logs, evaluates (on its first replica), writes the run directory's manifest and metrics and
-prepares the run directory; Orbax writes checkpoints of the sharded masters from all processes (each its own shards) into one shared folder.
+prepares the run directory; Orbax writes checkpoints of the sharded masters from all processes (each its own
+shards) into one shared folder.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def initialize(spec: ClusterSpec, *, timeout_s: int = 300) -> ClusterSpec:
                       process_id=spec.process_id)
     try:
         jax.distributed.initialize(**kwargs)
-    except Exception as e:  # noqa: BLE001 - a coordinator that never answers is the user's cluster, not a bug
+    except Exception as e:  # a coordinator that never answers is the user's cluster, not a bug
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise UserError(f"jax.distributed could not start process {spec.process_id} of {spec.num_processes} "
                         f"(coordinator {spec.coordinator or 'from ' + spec.source}): {first}; check the address "
@@ -180,14 +181,6 @@ def check_mesh(mesh) -> None:
 def is_local(mesh) -> bool:
     """Whether every device of `mesh` belongs to this process."""
     return all(d.process_index == process_id() for d in mesh.devices.flat)
-
-
-def local_replica_meshes(mesh) -> list[tuple[int, Any]]:
-    """(index, 1xM sub-mesh) of the replicas whose devices this process owns."""
-    from asyncres_jax.mesh import replica_meshes
-
-    check_mesh(mesh)
-    return [(i, sub) for i, sub in enumerate(replica_meshes(mesh)) if is_local(sub)]
 
 
 def check_config(cfg) -> None:
@@ -287,7 +280,7 @@ class _Replica0View:
     computation over the global mesh, which the other processes would have to join."""
 
     def __init__(self, trainer):
-        from asyncres_jax.mesh import param_shardings
+        from asyncres_jax.model.sharding import param_shardings
         from asyncres_jax.model import Model
 
         self._trainer = trainer
@@ -308,7 +301,7 @@ class _Replica0View:
     def params(self):
         import jax
 
-        from asyncres_jax.trainer import to_submesh
+        from asyncres_jax.rollout.replicas import to_submesh
 
         return jax.tree.map(to_submesh, self._trainer.store.params, self._shardings)
 

@@ -4,7 +4,7 @@
     python -m asyncres_jax.evaluate --checkpoint RUN_DIR --split test --seeds 42 43 44 [--tasks N] [--json]
     python -m asyncres_jax.evaluate --checkpoint RUN_DIR --compare BASE.json     # paired difference vs another
 
-Protocol (PAPER.md): every task of the split (or its first N) is played once per sampling seed with the run's
+Protocol (the paper's): every task of the split (or its first N) is played once per sampling seed with the run's
 episode settings (temperature 0.6 by default); success = mean binary reward. The mean over seeds is the mean
 over all task x seed episodes.
 
@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from asyncres_jax.errors import UserError
+from asyncres_jax.run import CONFIG_FILE, filter_tasks, log
 
 CONFIDENCE = 0.95
 RESAMPLES = 10_000
@@ -158,16 +159,6 @@ def paired_difference(base: Sequence[EpisodeOutcome], new: Sequence[EpisodeOutco
 # ------------------------------------------------------------------------------------------- running episodes
 
 
-def filter_tasks(tasks: Sequence[Any], families: Sequence[str] = (), difficulties: Sequence[str] = ()) -> list:
-    """Tasks whose family and difficulty are in the given lists (an empty list keeps all)."""
-    out = [t for t in tasks if (not families or t.family in families)
-           and (not difficulties or t.difficulty in difficulties)]
-    if tasks and not out:
-        raise UserError(f"no task matches families={list(families)} difficulties={list(difficulties)}; "
-                        f"the split has families {sorted({t.family for t in tasks})}")
-    return out
-
-
 def spread(tasks: Sequence[Any], n: int) -> list:
     """The first n tasks taken round-robin over the tiers (split files list tasks tier by tier)."""
     groups: dict[str, list] = {}
@@ -287,8 +278,6 @@ def attach(trainer) -> None:
         version = trainer.store.version
         if (split, version) in done or n <= 0:
             return
-        from asyncres_jax.trainer import log
-
         r = reused_base_report(cfg, run, split, seeds) if version == 0 else None
         if r is not None:
             log(f"the base model's {split} evaluation: reused from {r['reused_from']}")
@@ -344,7 +333,6 @@ def reused_base_report(cfg, run_dir: pathlib.Path, split: str, seeds: Sequence[i
     is deterministic up to float ties, and the study's runs share one). None when eval.base_from is unset, is this
     run, or holds no such report yet; a UserError when its settings differ."""
     from asyncres_jax.config import load_config
-    from asyncres_jax.trainer import CONFIG_FILE
 
     if not cfg.eval.base_from:
         return None
@@ -393,16 +381,14 @@ def _load(ns) -> tuple[Any, Any, Any, dict]:
     """(cfg, model, params, meta) from --checkpoint (the run's config, latest or given checkpoint) or --model."""
     from asyncres_jax.config import load_config
     from asyncres_jax.mesh import make_mesh
-    from asyncres_jax.trainer import load_policy_model
+    from asyncres_jax.run import find_checkpoint, load_policy_model, restore_params
 
     mesh = make_mesh("1x1")
     if ns.checkpoint:
-        from asyncres_jax import trainer as tr
-
-        run, step = tr._find_checkpoint(pathlib.Path(ns.checkpoint))
-        cfg = load_config(run / tr.CONFIG_FILE, ns.overrides)
+        run, step = find_checkpoint(pathlib.Path(ns.checkpoint))
+        cfg = load_config(run / CONFIG_FILE, ns.overrides)
         model = load_policy_model(cfg.model.name, cfg.model.dtype, mesh)
-        params, restored = tr.restore_params(run, step, cfg, model)
+        params, restored = restore_params(run, step, cfg, model)
         return cfg, model, params, {"source": str(run), "update": restored.meta["version"],
                                     "checkpoint": restored.step}
     cfg = load_config(ns.config, [f"model.name={ns.model}", *ns.overrides])
@@ -442,10 +428,9 @@ def _main(argv: list[str]) -> int:
     ns = _parse(argv)
     import jax  # noqa: F401
 
-    from asyncres_jax.train import _compilation_cache
-    from asyncres_jax.trainer import ensure_tasks, make_backend
+    from asyncres_jax.run import compilation_cache, ensure_tasks, make_backend
 
-    _compilation_cache()
+    compilation_cache()
     base = load_report(ns.compare)[1] if ns.compare else None
     cfg, model, params, meta = _load(ns)
     ensure_tasks(cfg)

@@ -1,8 +1,7 @@
-"""`--mesh DxM` -> a jax Mesh with axes ("data", "model"), and the model's partition rules.
+"""`--mesh DxM` -> a jax Mesh with axes ("data", "model"), checked against the model it will hold.
 
-"model" splits attention heads (q/k/v columns, o_proj rows), the MLP's hidden dimension and the
-vocabulary; "data" replicates the weights (D replicas, e.g. D rollout engines). Heads are contiguous
-blocks of head_dim columns, so a model axis that divides the head counts splits whole heads.
+"data" holds D replicas of the weights (e.g. D rollout engines), "model" splits each replica M ways; how the
+decoder's arrays map onto these axes is model/sharding.py's.
 """
 
 from __future__ import annotations
@@ -13,26 +12,12 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from asyncres_jax.errors import UserError
 from asyncres_jax.model.config import ModelConfig
 
 AXES = ("data", "model")
-
-# (leaf path regex, spec); first match wins. Vocab-sharded specs fall back to replication when M does not
-# divide the vocabulary (see param_specs).
-RULES: tuple[tuple[str, P], ...] = (
-    (r"embed/embedding", P("model", None)),
-    (r"lm_head/kernel", P(None, "model")),
-    (r"attn/(q|k|v)_proj/kernel", P(None, "model")),
-    (r"attn/(q|k|v)_proj/bias", P("model")),
-    (r"attn/o_proj/kernel", P("model", None)),
-    (r"mlp/(gate|up)_proj/kernel", P(None, "model")),
-    (r"mlp/down_proj/kernel", P("model", None)),
-    (r"(norm|scale)", P()),
-)
-
 
 def parse_mesh(spec: str | Sequence[int]) -> tuple[int, int]:
     """"4x2" (or (4, 2)) -> (data, model)."""
@@ -92,32 +77,6 @@ def check_fits(mesh: Mesh, cfg: ModelConfig) -> None:
             f"intermediate_size={cfg.intermediate_size}; valid model-axis sizes: "
             f"{', '.join(map(str, valid_model_sizes(cfg)))} (meshes for {mesh.size} devices: "
             f"{', '.join(valid_meshes(mesh.size, cfg))})")
-
-
-def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", k)) for k in path)
-
-
-def param_specs(params_like, cfg: ModelConfig, model_size: int):
-    """A PartitionSpec per leaf of a params pytree (arrays or ShapeDtypeStructs)."""
-    def spec(path, leaf):
-        name = _path_str(path)
-        for pattern, s in RULES:
-            if re.search(pattern, name):
-                if "embed" in name or "lm_head" in name:  # vocab-sharded only when it divides evenly
-                    vocab_axis = 0 if "embed" in name else 1
-                    if leaf.shape[vocab_axis] % model_size:
-                        return P()
-                return s
-        raise ValueError(f"no partition rule for parameter {name}")
-    return jax.tree_util.tree_map_with_path(spec, params_like)
-
-
-def param_shardings(params_like, cfg: ModelConfig, mesh: Mesh):
-    """NamedSharding per leaf; raises UserError when the mesh does not fit the model."""
-    check_fits(mesh, cfg)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params_like, cfg, mesh.shape["model"]),
-                        is_leaf=lambda x: isinstance(x, P))
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:

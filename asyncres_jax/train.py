@@ -113,11 +113,11 @@ def _main(argv: list[str]) -> int:
         distributed.initialize(distributed.resolve(ns.coordinator, ns.num_processes, ns.process_id))
     import jax  # noqa: F401 - after the device flags
 
-    _compilation_cache()
-    from asyncres_jax import trainer
+    from asyncres_jax import run, trainer
 
+    run.compilation_cache()
     if ns.command == "export":
-        trainer.export(ns.checkpoint, ns.out, dtype=ns.dtype, overwrite=ns.overwrite)
+        run.export(ns.checkpoint, ns.out, dtype=ns.dtype, overwrite=ns.overwrite)
         return 0
     from asyncres_jax.config import load_config
 
@@ -125,19 +125,6 @@ def _main(argv: list[str]) -> int:
     cfg = load_config(ns.config, overrides)
     distributed.check_config(cfg)
     return trainer.train(cfg, resume=ns.resume, overwrite=ns.overwrite, handle_signals=True, argv=argv)
-
-
-def _compilation_cache() -> None:
-    """A persistent XLA cache (compiles dominate a short CPU run); JAX_COMPILATION_CACHE_DIR overrides it."""
-    import pathlib
-
-    import jax
-
-    if jax.config.jax_compilation_cache_dir:
-        return
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "asyncres_jax" / "xla"
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 def _final_params(run_dir: pathlib.Path) -> dict[str, np.ndarray]:
     from asyncres_jax.checkpoint import flatten
     from asyncres_jax.mesh import make_mesh
-    from asyncres_jax.trainer import load_policy_model, restore_params
+    from asyncres_jax.run import load_policy_model, restore_params
 
     cfg = load_config(run_dir / "config.yaml")
     model = load_policy_model(cfg.model.name, cfg.model.dtype, make_mesh("1x1", jax.devices()[:1]))

@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from asyncres_jax.errors import UserError
-from asyncres_jax.mesh import make_mesh, param_shardings, parse_mesh, replica_meshes, valid_model_sizes
+from asyncres_jax.mesh import make_mesh, parse_mesh, replica_meshes, valid_model_sizes
+from asyncres_jax.model.sharding import param_shardings
 from asyncres_jax.model import ModelConfig, init_params, load_model
 from asyncres_jax.model.decoder import abstract_params
 from asyncres_jax.model.loading import save_hf
@@ -64,7 +65,8 @@ def test_same_logits_on_every_mesh_and_weights_really_split(tiny_dir):
         assert m.mesh.shape == {"data": d, "model": mm}
         np.testing.assert_allclose(np.asarray(m.logits(tokens, mask))[mask > 0], want[mask > 0], atol=1e-5)
         layer = m.params["layers"][1]
-        q, o, down = layer["attn"]["q_proj"]["kernel"], layer["attn"]["o_proj"]["kernel"], layer["mlp"]["down_proj"]["kernel"]
+        q, o = layer["attn"]["q_proj"]["kernel"], layer["attn"]["o_proj"]["kernel"]
+        down = layer["mlp"]["down_proj"]["kernel"]
         assert len(q.addressable_shards) == d * mm
         assert q.sharding.spec == P(None, "model") and o.sharding.spec == P("model", None)
         # Each device holds 1/M of the heads and of the MLP hidden dimension; "data" replicates.

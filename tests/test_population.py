@@ -42,7 +42,7 @@ ES = es.ESConfig(population=4, sigma=SIGMA, noise="lowrank", rank=RANK)
 def members(antithetic: bool):
     """(es config, member seeds, member signs) of a 4-member population.
 
-    Antithetic (ARCHITECTURE.md): member 2k = (+, seed k), member 2k+1 = (-, seed k). es.perturb takes the
+    Antithetic: member 2k = (+, seed k), member 2k+1 = (-, seed k). es.perturb takes the
     sign explicitly, so one config serves both layouts (and one compiled perturb serves every test).
     """
     seeds = [es.member_seed(7, 3, k) for k in range(4)]
@@ -119,7 +119,7 @@ def test_bad_population_arguments_are_user_errors(bad):
 def test_population_on_a_4x2_mesh_matches_one_device():
     """Tiny model sharded over 8 simulated devices (data 4 x model 2): factors follow their weights'
     shardings and the batched forward equals the single-device one."""
-    from asyncres_jax.mesh import param_shardings
+    from asyncres_jax.model.sharding import param_shardings
 
     cfg = CONFIGS["qwen2-bias-untied"]
     params = decoder.init_params(cfg, jax.random.key(1))

@@ -25,12 +25,13 @@ except ImportError:
 from asyncres_jax import es, train
 from asyncres_jax.config import load_config, to_yaml
 from asyncres_jax.errors import UserError
-from asyncres_jax.jobs import fake_job_fn
+from asyncres_jax.rollout.jobs import fake_job_fn
 from asyncres_jax.model.tiny import tiny_model
 from asyncres_jax.rollout import Coordinator, Job, PoolConfig, Replica, RolloutPool, es_param_store
 from asyncres_jax.rollout import ray_pool
 from asyncres_jax.rollout.ray_pool import ActorSpec, RayRolloutPool, ReplicaState, driver_jax_config
-from asyncres_jax.trainer import CONFIG_FILE, ensure_tasks
+from asyncres_jax.run import CONFIG_FILE, ensure_tasks
+from asyncres_jax.trainer import build_replica
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("ray")]
 
@@ -169,12 +170,13 @@ def test_train_cli_with_the_ray_backend_matches_the_thread_backend(cluster, tmp_
     assert train.main([f"run_dir={tmp_path / 'ray'}", *common, "pool.backend=ray", "pool.ray_actors=2"]) == 0
 
     def fitness(run):
-        return [json.loads(line)["fitness_mean"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["fitness_mean"] for line in lines]
     # The actors see one CPU device, the threads' replica is one of 8 simulated ones: XLA may sum in another order.
     assert len(fitness("ray")) == 2 and fitness("ray") == pytest.approx(fitness("threads"), rel=1e-6)
 
     # What a replacement actor of each run starts from: its latest checkpoint (update 2), not the initial weights.
-    replicas = [ray_pool.build_trainer_replica(to_yaml(load_config(tmp_path / run / CONFIG_FILE)))
+    replicas = [build_replica(to_yaml(load_config(tmp_path / run / CONFIG_FILE)))
                 for run in ("ray", "threads")]
     assert [r.version for r in replicas] == [2, 2]
     initial = jax.tree.leaves(tiny_model(0).params)
@@ -194,7 +196,7 @@ def test_bad_backend_is_one_line(capsys, tmp_path):
 def test_missing_or_unreachable_ray_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(UserError, match="needs the ray package"):
-        ray_pool._import_ray()
+        ray_pool.import_ray()
     monkeypatch.setitem(sys.modules, "ray", ray)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
 
@@ -229,7 +231,7 @@ def test_an_actor_built_for_real_tasks_plays_episodes_in_its_own_sandboxes(tmp_p
                              "tasks.generate_n=8", "episode.max_turns=1", "episode.max_new_tokens=4",
                              "episode.context_limit=4096", "es.population=3", "es.tasks_per_member=2"])
     ensure_tasks(cfg)
-    replica = ray_pool.build_trainer_replica(to_yaml(cfg))
+    replica = build_replica(to_yaml(cfg))
     try:
         assert replica.version == 0 and replica.replay is not None  # no checkpoint yet; SGD on float32 replays
         result = replica.job_fn(Job(0, 0, 0, es.member_seed(0, 0, 0), 1, 7), replica.params)
@@ -258,5 +260,6 @@ def test_actors_the_cluster_cannot_hold_are_refused_not_left_pending(cluster, ca
     code = train.main([f"run_dir={tmp_path / 'run'}", "model.name=tiny", "tasks.dataset=fake", "es.population=6",
                        "pool.backend=ray", "pool.ray_actors=2", "pool.ray_gpus_per_actor=1"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 2 and last.startswith("error: 2 rollout actors need 2 GPUs but the Ray cluster has 4 CPUs and 0 GPUs")
+    assert code == 2
+    assert last.startswith("error: 2 rollout actors need 2 GPUs but the Ray cluster has 4 CPUs and 0 GPUs")
     assert ray.is_initialized()  # the cluster the trainer did not start is left running

@@ -11,7 +11,7 @@ import pytest
 from asyncres_jax import train
 from asyncres_jax.config import load_config
 from asyncres_jax.errors import UserError
-from asyncres_jax.trainer import CONFIG_FILE, prepare_run_dir, release_run_dir
+from asyncres_jax.run import CONFIG_FILE, prepare_run_dir, release_run_dir
 
 pytestmark = pytest.mark.xdist_group("train_cli")
 
@@ -73,7 +73,7 @@ def test_a_run_dir_in_use_by_another_training_process_is_refused(capsys, tmp_pat
     cfg = load_config(None, [f"run_dir={run}", *FAKE])
     holder = subprocess.Popen(  # another process that prepared the run directory and still uses it
         [sys.executable, "-c", "import sys, time; from asyncres_jax.config import load_config; "
-         "from asyncres_jax.trainer import prepare_run_dir; "
+         "from asyncres_jax.run import prepare_run_dir; "
          "prepare_run_dir(load_config(None, sys.argv[1:]), resume=False, overwrite=False); print('ready', flush=True); "
          "time.sleep(600)", f"run_dir={run}", *FAKE], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -108,7 +108,7 @@ def test_every_shipped_config_is_valid_for_its_program():
 
     from asyncres_jax.grpo import trainer as grpo_trainer
     from asyncres_jax.mesh import parse_mesh
-    from asyncres_jax.trainer import check_supported, es_config, pool_config
+    from asyncres_jax.trainer import check_supported, pool_config
 
     paths = sorted(glob.glob(str(REPO / "configs" / "**" / "*.yaml"), recursive=True))
     assert any("/study/" in p for p in paths)
@@ -116,7 +116,7 @@ def test_every_shipped_config_is_valid_for_its_program():
         cfg = load_config(path)
         if cfg.algo == "es":
             check_supported(cfg)
-            es_config(cfg)
+            cfg.es.core()
             data, _ = parse_mesh(cfg.mesh)
             pool_config(cfg, data * cfg.pool.workers_per_replica)
         else:

@@ -9,8 +9,9 @@ import pytest
 
 from asyncres_jax import metrics
 from asyncres_jax.config import load_config
-from asyncres_jax.jobs import fake_tokens
-from asyncres_jax.trainer import ESTrainer, export
+from asyncres_jax.rollout.jobs import fake_tokens
+from asyncres_jax.run import export
+from asyncres_jax.trainer import ESTrainer
 
 pytestmark = pytest.mark.xdist_group("train_e2e")
 

@@ -52,6 +52,14 @@ class ESConfig:
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             bad("weight_decay", "it must be a finite number >= 0")
 
+    def member_sign(self, member_index: int) -> int:
+        """Antithetic members come in pairs sharing a seed: member 2k is +eps, member 2k+1 is -eps."""
+        return -1 if self.antithetic and member_index % 2 else 1
+
+    def update_seeds(self, seeds):
+        """The seeds an update applies: one per antithetic pair (sync cohorts keep pairs in order)."""
+        return seeds[0::2] if self.antithetic else seeds
+
     @property
     def num_seeds(self) -> int:
         """How many member seeds one update takes: N, or N/2 with antithetic pairs."""

@@ -4,9 +4,10 @@ One `Learner.train(batch)` = `epochs` passes over the batch's episodes in shuffl
 `minibatch_size` episodes; each minibatch is one optimiser step whose gradient is accumulated over
 micro-batches of at most `micro_batch_size` rows (the loss is a fixed-weight sum, so micro-batch gradients add).
 
-Sharding: the parameters (and the reference copy, the gradients and Adam's moments) follow mesh.param_shardings
-(weights split over "model"); every row-major batch array is split over "data", so XLA reduces the gradient
-across data replicas. The reference log-probs are computed once per batch, before the first update.
+Sharding: the parameters (and the reference copy, the gradients and Adam's moments) follow
+model.sharding.param_shardings (weights split over "model"); every row-major batch array is split over "data",
+so XLA reduces the gradient across data replicas. The reference log-probs are computed once per batch, before
+the first update.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from asyncres_jax.grpo.data import Batch, Segment, pack
 from asyncres_jax.grpo.loss import grpo_loss, sequence_weights, token_logprobs, tokens_per_episode
-from asyncres_jax.mesh import param_shardings
+from asyncres_jax.model.sharding import param_shardings
 from asyncres_jax.model import decoder
 from asyncres_jax.model.config import ModelConfig
 
@@ -40,6 +41,14 @@ class GRPOHyper:
     micro_batch_size: int = 8  # rows per forward/backward pass
     temperature: float = 0.6  # the sampling temperature the old log-probs were recorded at (0: greedy = 1.0)
 
+    @classmethod
+    def from_config(cls, cfg) -> "GRPOHyper":
+        """The `grpo:` section of a training config (and the episodes' sampling temperature)."""
+        g = cfg.grpo
+        return cls(lr=g.lr, weight_decay=g.weight_decay, grad_clip=g.grad_clip, clip_eps=g.clip_eps,
+                   kl_coef=g.kl_coef, epochs=g.epochs, minibatch_size=g.minibatch_size,
+                   micro_batch_size=g.micro_batch_size, temperature=cfg.episode.temperature)
+
     @property
     def logprob_temperature(self) -> float:
         # The engine reports greedy log-probs at temperature 1 (log_softmax of the raw logits).
@@ -49,6 +58,11 @@ class GRPOHyper:
 def make_optimizer(hp: GRPOHyper) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(hp.grad_clip),
                        optax.adamw(hp.lr, weight_decay=hp.weight_decay))
+
+
+def opt_template(params, cfg):
+    """The optimiser state's structure for a training config, to restore a GRPO checkpoint into."""
+    return jax.eval_shape(make_optimizer(GRPOHyper.from_config(cfg)).init, params)
 
 
 def policy_logprobs(params, cfg: ModelConfig, tokens_bt, temperature) -> jax.Array:

@@ -15,9 +15,6 @@ The run directory is the ES trainer's: config.yaml, manifest.json, metrics.jsonl
 
 from __future__ import annotations
 
-import datetime as dt
-import pathlib
-import threading
 import time
 import types
 from typing import Any, Callable
@@ -26,22 +23,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asyncres_jax import metrics
-from asyncres_jax.checkpoint import Checkpointer, flatten, unflatten_like
+from asyncres_jax.checkpoint import flatten, unflatten_like
 from asyncres_jax.config import TrainConfig
 from asyncres_jax.errors import UserError
 from asyncres_jax.grpo.data import build_batch, whole_conversation
 from asyncres_jax.grpo.rollout import RecordingPolicy
-from asyncres_jax.grpo.step import GRPOHyper, Learner, make_optimizer
+from asyncres_jax.grpo.step import GRPOHyper, Learner
+from asyncres_jax.mesh import make_mesh
+from asyncres_jax.model import Model
+from asyncres_jax.model.generate import Engine
+from asyncres_jax.rollout.episodes import EpisodeConfig, ModelPolicy, run_episodes
+from asyncres_jax.rollout.jobs import task_batch
+from asyncres_jax.run import (Trainer, ensure_tasks, load_policy_model, log, make_backend, prepare_run_dir,
+                              run_to_end, train_tasks)
 
 STEP_TAG = 0x6772706F  # "grpo": keeps GRPO sampling seeds apart from any other use of (seed, step)
-
-
-def hyper(cfg: TrainConfig) -> GRPOHyper:
-    g = cfg.grpo
-    return GRPOHyper(lr=g.lr, weight_decay=g.weight_decay, grad_clip=g.grad_clip, clip_eps=g.clip_eps,
-                     kl_coef=g.kl_coef, epochs=g.epochs, minibatch_size=g.minibatch_size,
-                     micro_batch_size=g.micro_batch_size, temperature=cfg.episode.temperature)
 
 
 def check_supported(cfg: TrainConfig) -> None:
@@ -59,61 +55,34 @@ def sampling_seed(global_seed: int, step: int) -> int:
     return int(np.random.SeedSequence([global_seed, step, STEP_TAG]).generate_state(1)[0])
 
 
-def opt_template(params, cfg: TrainConfig):
-    """The optimiser state's structure, for restoring a GRPO checkpoint (e.g. by `train export`)."""
-    return jax.eval_shape(make_optimizer(hyper(cfg)).init, params)
+class GRPOTrainer(Trainer):
+    unit = "GRPO step"
 
-
-class GRPOTrainer:
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, devices=None,
                  argv: list[str] | None = None, backend=None):
-        from asyncres_jax import trainer as common  # the run directory, model, tasks and backend helpers
-        from asyncres_jax.envs.task import load_split
-        from asyncres_jax.evaluate import filter_tasks
-        from asyncres_jax.mesh import make_mesh
-        from asyncres_jax.model import Model
-        from asyncres_jax.model.generate import Engine
-        from asyncres_jax.rollout.episodes import EpisodeConfig
-
         check_supported(cfg)
-        self.cfg, self.common = cfg, common
-        self.run_dir = pathlib.Path(cfg.run_dir)
-        self._stop = threading.Event()
-        self.backend = None
+        super().__init__(cfg, cfg.grpo.steps)
         self.step_hooks: list[Callable[["GRPOTrainer", dict], None]] = []  # after each step, with its record
-        # evaluation (asyncres_jax.evaluate.attach): the base model before the first step, then after steps
-        self.before_run_hooks: list[Callable[["GRPOTrainer"], None]] = []
-        self.drained_hooks: list[Callable[["GRPOTrainer"], None]] = []
-        self.total_updates = cfg.grpo.steps
         # Everything that can be wrong with the input fails here, before the run directory is touched.
-        dataset = common.ensure_tasks(cfg)
-        self.tasks = filter_tasks(load_split(dataset, cfg.tasks.train_split), cfg.tasks.families,
-                                  cfg.tasks.difficulties)
-        if not self.tasks:
-            raise UserError(f"{dataset}/splits/{cfg.tasks.train_split}.txt lists no tasks")
-        self.dataset = dataset
-        self.model = common.load_policy_model(cfg.model.name, cfg.model.dtype, make_mesh(cfg.mesh, devices))
+        self.dataset = ensure_tasks(cfg)
+        self.tasks = train_tasks(cfg, self.dataset)
+        self.model = load_policy_model(cfg.model.name, cfg.model.dtype, make_mesh(cfg.mesh, devices))
         self.mesh = self.model.mesh
-        continuing = common.prepare_run_dir(cfg, resume, overwrite)
+        continuing = prepare_run_dir(cfg, resume, overwrite)
 
-        self.learner = Learner(self.model.params, self.model.config, hyper(cfg), mesh=self.mesh)
+        self.learner = Learner(self.model.params, self.model.config, GRPOHyper.from_config(cfg), mesh=self.mesh)
         self.model.params = None  # the learner holds the masters and the reference
         self.step = 0
-        self.checkpointer = Checkpointer(self.run_dir / common.CHECKPOINTS, cfg.checkpoint.keep, report=common.log)
-        self.elapsed0, self.ckpt_step, metrics_step = 0.0, 0, 0
-        restored = self._restore() if continuing else None
-        if restored is not None:
-            metrics_step = restored
-        elif resume:
-            raise UserError(f"--resume: {self.run_dir} has no readable checkpoint; drop --resume to start over")
-        self.metrics = metrics.MetricsWriter(self.run_dir, metrics_step, total=cfg.grpo.steps, initial=self.step,
-                                             label="GRPO steps", unit="step")
-        common.write_manifest(self.run_dir, cfg, self.mesh, argv, self.step if continuing else None)
+        self._open_records(continuing=continuing, resume=resume, argv=argv, label="GRPO steps", unit="step")
 
         self.episode_cfg = EpisodeConfig.from_sections(cfg.episode, cfg.sandbox)
         self.engine = Engine(Model(self.model.config, None, self.model.tokenizer, self.mesh, self.model.source),
                              context_limit=self.episode_cfg.context_limit)
-        self.backend = backend if backend is not None else common.make_backend(cfg)
+        self.backend = backend if backend is not None else make_backend(cfg)
+
+    @property
+    def version(self) -> int:
+        return self.step
 
     # -- rollouts --------------------------------------------------------------------------------------
 
@@ -124,8 +93,6 @@ class GRPOTrainer:
 
     def play(self, tasks, seed: int):
         """One batch of episodes with the current policy: (results, each episode's training segments)."""
-        from asyncres_jax.rollout.episodes import ModelPolicy, run_episodes
-
         policy = RecordingPolicy(ModelPolicy.from_config(self.engine, self.rollout_params(), self.episode_cfg))
         results = run_episodes(policy, tasks, self.backend, self.episode_cfg, seed=seed)
         segments = policy.segments()
@@ -145,52 +112,25 @@ class GRPOTrainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
+    def _params(self):
+        return self.learner.params
+
     def _arrays(self) -> dict:
         return {**flatten(self.learner.params, "params"), **flatten(self.learner.opt_state, "opt")}
 
-    def _layout(self) -> str:
-        from asyncres_jax import es
+    def _checkpoint_meta(self) -> dict:
+        return {"algo": "grpo", "version": self.step, "step": self.step, "optimizer_steps": self.learner.steps,
+                "data_cursor": self.step * self.cfg.grpo.prompts_per_step}
 
-        return es.layout_fingerprint(self.learner.params)
-
-    def save_checkpoint(self) -> None:
-        meta = {
-            "algo": "grpo", "version": self.step, "step": self.step, "optimizer_steps": self.learner.steps,
-            "metrics_step": self.metrics.step, "elapsed_seconds": self.elapsed(),
-            "data_cursor": self.step * self.cfg.grpo.prompts_per_step,
-            "rng": {"global_seed": self.cfg.seed, "counter": self.step},
-            "config_fingerprint": self.common.fingerprint(self.cfg), "layout": self._layout(),
-            "saved": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        }
-        self.ckpt_step += 1
-        self.checkpointer.save(self.ckpt_step, self._arrays(), meta)
-        self.common.log(f"checkpoint {self.ckpt_step} at GRPO step {self.step}")
-
-    def _restore(self) -> int | None:
-        check = self.checkpointer.same_run(self.common.fingerprint(self.cfg), self._layout(), self.cfg.model.name)
-        restored = self.checkpointer.restore_latest(self._arrays(), check)
-        if restored is None:
-            return None
-        meta, arrays = restored.meta, restored.arrays
+    def _load_checkpoint(self, meta: dict, arrays: dict) -> None:
         self.learner.params = unflatten_like(self.learner.params, arrays, "params")
         self.learner.opt_state = self.learner.place_state(unflatten_like(self.learner.opt_state, arrays, "opt"))
         self.learner.steps = int(meta["optimizer_steps"])
-        self.step, self.ckpt_step, self.elapsed0 = int(meta["step"]), restored.step, float(meta["elapsed_seconds"])
-        self.common.log(f"resuming {self.run_dir} at GRPO step {self.step} (checkpoint {restored.step})")
-        return int(meta["metrics_step"])
+        self.step = int(meta["step"])
 
     # -- the loop --------------------------------------------------------------------------------------
 
-    def elapsed(self) -> float:
-        return self.elapsed0 + (time.monotonic() - self._t0 if hasattr(self, "_t0") else 0.0)
-
-    def request_stop(self) -> None:
-        """Finish the current step, checkpoint and return from run() (what the first SIGINT/SIGTERM does)."""
-        self._stop.set()
-
     def train_step(self) -> dict[str, Any]:
-        from asyncres_jax.jobs import task_batch
-
         cfg, g = self.cfg, self.cfg.grpo
         t0 = time.monotonic()
         tasks = task_batch(self.tasks, cfg.seed, self.step, g.prompts_per_step)
@@ -220,11 +160,11 @@ class GRPOTrainer:
         cfg = self.cfg
         self._t0 = time.monotonic()
         if self.step >= cfg.grpo.steps:
-            self.common.log(f"{self.run_dir} already holds {self.step} GRPO steps (grpo.steps={cfg.grpo.steps})")
+            log(f"{self.run_dir} already holds {self.step} GRPO steps (grpo.steps={cfg.grpo.steps})")
             return self.step
-        self.common.log(f"GRPO on {self.model.source} over mesh {self.mesh.shape['data']}x{self.mesh.shape['model']}:"
-                        f" step {self.step} -> {cfg.grpo.steps}, {cfg.grpo.prompts_per_step} tasks x "
-                        f"{cfg.grpo.group_size} episodes")
+        log(f"GRPO on {self.model.source} over mesh {self.mesh.shape['data']}x{self.mesh.shape['model']}:"
+            f" step {self.step} -> {cfg.grpo.steps}, {cfg.grpo.prompts_per_step} tasks x "
+            f"{cfg.grpo.group_size} episodes")
         saved = self.step
         for hook in self.before_run_hooks:
             hook(self)
@@ -236,35 +176,23 @@ class GRPOTrainer:
             if not self._stop.is_set():  # a stop request ends the session quickly: no evaluation now
                 for hook in self.drained_hooks:
                     hook(self)
-            self.common.log(f"step {self.step}/{cfg.grpo.steps}: reward {record['reward_mean']:.3f}, "
-                            f"kl {record.get('kl', 0):.4f}, clip {record.get('clip_fraction', 0):.3f}, "
-                            f"{record['rollout_seconds']:.1f} s rollout + {record['train_seconds']:.1f} s train")
+            log(f"step {self.step}/{cfg.grpo.steps}: reward {record['reward_mean']:.3f}, "
+                f"kl {record.get('kl', 0):.4f}, clip {record.get('clip_fraction', 0):.3f}, "
+                f"{record['rollout_seconds']:.1f} s rollout + {record['train_seconds']:.1f} s train")
             if self.step % cfg.checkpoint.every == 0 or self.step == cfg.grpo.steps:
                 self.save_checkpoint()
                 saved = self.step
         if self.step != saved:
             self.save_checkpoint()
         if self._stop.is_set():
-            self.common.log(f"stopped at GRPO step {self.step}; resume with the same command")
+            log(f"stopped at GRPO step {self.step}; resume with the same command")
         return self.step
-
-    def close(self) -> None:
-        """Remove every sandbox and close the writers (idempotent)."""
-        try:
-            if self.backend is not None:
-                self.backend.close()
-                self.backend = None
-        finally:
-            self.metrics.close()
-            self.checkpointer.close()
-            self.common.release_run_dir(self.run_dir)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, handle_signals: bool = False,
           argv: list[str] | None = None, devices=None) -> int:
     """The `algo: grpo` entry point of the training program (same arguments as trainer.train)."""
     from asyncres_jax.evaluate import attach
-    from asyncres_jax.trainer import run_to_end
 
     trainer = GRPOTrainer(cfg, resume=resume, overwrite=overwrite, argv=argv, devices=devices)
     try:

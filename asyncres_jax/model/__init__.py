@@ -104,7 +104,7 @@ def load_model(source: str | Path, dtype: str = "float32", mesh: Mesh | str | No
                         f"{', '.join(NAMED_MODELS)}")
 
     def shardings(cfg: ModelConfig, m: Mesh | None):
-        from asyncres_jax.mesh import param_shardings
+        from asyncres_jax.model.sharding import param_shardings
 
         return None if m is None else param_shardings(abstract_params(cfg, dtype), cfg, m)
 

@@ -1,10 +1,11 @@
 """The Qwen2/Llama decoder: a Flax NNX module inside, a pure function of a params dict outside.
 
-`init_params` builds the module and returns its parameters as a nested dict of plain arrays
-(see notes/model_contract.md for the key layout); `forward` merges that dict back into the module
-graph inside the caller's trace (nnx.merge is trace-time only), so ES, generation and GRPO all
-work on plain pytrees. Every dense matmul goes through `_dense`, the single place a population
-perturbation is applied.
+`init_params` builds the module and returns its parameters as a nested dict of plain arrays (keys: embed,
+layers/I/{input_norm,attn,post_attn_norm,mlp}, final_norm, lm_head); `forward` merges that dict back into the
+module graph inside the caller's trace (nnx.merge is trace-time only), so ES, generation and GRPO all work on
+plain pytrees. Every dense matmul goes through `_dense`, the single place a population perturbation is applied.
+Each parameter names its logical axes where it is defined (`axes=`, read by `param_axes`); model/sharding.py
+maps them onto the mesh.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ _init = nnx.initializers.normal(0.02)
 
 
 class Dense(nnx.Module):
-    def __init__(self, d_in: int, d_out: int, *, path: str, use_bias: bool, dtype, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_init(rngs.params(), (d_in, d_out), dtype))
-        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if use_bias else None
+    def __init__(self, d_in: int, d_out: int, *, path: str, axes: tuple[str, str], use_bias: bool, dtype,
+                 rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_init(rngs.params(), (d_in, d_out), dtype), axes=axes)
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype), axes=axes[1:]) if use_bias else None
         self.path = path
 
     def __call__(self, x: Array, perturbation: Perturbation | None) -> Array:
@@ -71,7 +73,7 @@ class Dense(nnx.Module):
 
 class RMSNorm(nnx.Module):
     def __init__(self, d: int, eps: float, *, path: str, dtype):
-        self.scale = nnx.Param(jnp.ones((d,), dtype))
+        self.scale = nnx.Param(jnp.ones((d,), dtype), axes=("embed",))
         self.eps = eps
         self.path = path
 
@@ -96,10 +98,11 @@ def _rope(x_btnh: Array, positions_bt: Array, theta: float) -> Array:
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, path: str, dtype, rngs: nnx.Rngs):
         d, hd, nq, nkv, b = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias
-        self.q_proj = Dense(d, nq * hd, path=f"{path}/q_proj", use_bias=b, dtype=dtype, rngs=rngs)
-        self.k_proj = Dense(d, nkv * hd, path=f"{path}/k_proj", use_bias=b, dtype=dtype, rngs=rngs)
-        self.v_proj = Dense(d, nkv * hd, path=f"{path}/v_proj", use_bias=b, dtype=dtype, rngs=rngs)
-        self.o_proj = Dense(nq * hd, d, path=f"{path}/o_proj", use_bias=False, dtype=dtype, rngs=rngs)
+        kw = dict(dtype=dtype, rngs=rngs)
+        self.q_proj = Dense(d, nq * hd, path=f"{path}/q_proj", axes=("embed", "heads"), use_bias=b, **kw)
+        self.k_proj = Dense(d, nkv * hd, path=f"{path}/k_proj", axes=("embed", "kv_heads"), use_bias=b, **kw)
+        self.v_proj = Dense(d, nkv * hd, path=f"{path}/v_proj", axes=("embed", "kv_heads"), use_bias=b, **kw)
+        self.o_proj = Dense(nq * hd, d, path=f"{path}/o_proj", axes=("heads", "embed"), use_bias=False, **kw)
         self.nq, self.nkv, self.hd, self.theta = nq, nkv, hd, cfg.rope_theta
 
     def __call__(self, x_btd, positions_bt, mask_bts, kv, write_index, perturbation):
@@ -120,7 +123,8 @@ class Attention(nnx.Module):
         # form a single query axis q, so each product is one batched matmul [q, h] x [h, s] per (b, k): XLA CPU
         # ran the 5-D "btkgh,bksh" form as many tiny dots, 3-4x slower (docs/performance.md).
         g = self.nq // self.nkv
-        q_bkqh = q_btnh.reshape(B, T, self.nkv, g, self.hd).transpose(0, 2, 1, 3, 4).reshape(B, self.nkv, T * g, self.hd)
+        q_bkqh = q_btnh.reshape(B, T, self.nkv, g, self.hd).transpose(0, 2, 1, 3, 4)
+        q_bkqh = q_bkqh.reshape(B, self.nkv, T * g, self.hd)
         s_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh.astype(q_bkqh.dtype)).astype(jnp.float32)
         s_bkqs = s_bkqs / math.sqrt(self.hd)
         mask_bqs = jnp.broadcast_to(mask_bts[:, :, None, :], (B, T, g, mask_bts.shape[-1])).reshape(B, 1, T * g, -1)
@@ -135,9 +139,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, path: str, dtype, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Dense(d, f, path=f"{path}/gate_proj", use_bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = Dense(d, f, path=f"{path}/up_proj", use_bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = Dense(f, d, path=f"{path}/down_proj", use_bias=False, dtype=dtype, rngs=rngs)
+        kw = dict(use_bias=False, dtype=dtype, rngs=rngs)
+        self.gate_proj = Dense(d, f, path=f"{path}/gate_proj", axes=("embed", "mlp"), **kw)
+        self.up_proj = Dense(d, f, path=f"{path}/up_proj", axes=("embed", "mlp"), **kw)
+        self.down_proj = Dense(f, d, path=f"{path}/down_proj", axes=("mlp", "embed"), **kw)
 
     def __call__(self, x_btd, perturbation):
         h_btf = jax.nn.silu(self.gate_proj(x_btd, perturbation)) * self.up_proj(x_btd, perturbation)
@@ -164,10 +169,12 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                                embedding_init=_init, rngs=rngs)
+        self.embed.embedding.set_metadata(axes=("vocab", "embed"))
         self.layers = nnx.List([Layer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, path="final_norm", dtype=dtype)
         self.lm_head = (None if cfg.tie_word_embeddings else
-                        Dense(cfg.hidden_size, cfg.vocab_size, path="lm_head", use_bias=False, dtype=dtype, rngs=rngs))
+                        Dense(cfg.hidden_size, cfg.vocab_size, path="lm_head", axes=("embed", "vocab"), use_bias=False,
+                              dtype=dtype, rngs=rngs))
 
     def __call__(self, tokens_bt, positions_bt, mask_bts, cache, write_index, perturbation):
         emb_vd = self.embed.embedding[...]
@@ -207,6 +214,13 @@ def init_params(cfg: ModelConfig, key: Array, dtype=jnp.float32) -> Params:
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> Params:
     """The params dict as jax.ShapeDtypeStruct leaves, without allocating anything."""
     return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype))
+
+
+def param_axes(cfg: ModelConfig) -> Params:
+    """Each parameter's logical axes (a tuple of names per leaf), in the params dict's layout."""
+    state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    return nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata()["axes"], state,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 @functools.lru_cache(maxsize=32)

@@ -44,6 +44,7 @@ from asyncres_jax.model import decoder
 from asyncres_jax.model.config import ModelConfig
 from asyncres_jax.model.decoder import KVCache
 from asyncres_jax.model.sampling import Sampling, sample, seed_key
+from asyncres_jax.model.sharding import cache_spec
 
 DEFAULT_CONTEXT_LIMIT = 16384
 PREFILL_CHUNK = 128
@@ -134,7 +135,7 @@ def _take_rows(cache, rows_idx):
 
 
 def _perturbation_rows(perturbation, rows_idx):
-    """The perturbation of the cache's batch rows (issue 5, population batching). A population perturbation
+    """The perturbation of the cache's batch rows (population batching). A population perturbation
     (es/population.py) holds one entry per conversation row, and the cache's rows are those rows padded to a
     bucket, or a decode's working subset: re-index it like the cache. Others pass through unchanged."""
     if perturbation is None or not hasattr(perturbation, "take_rows"):
@@ -254,6 +255,37 @@ class Conversation:
 # ----------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Progress:
+    """Where one generate() call stands, per conversation row."""
+
+    start_len: list[int]  # tokens before the reply
+    budget: np.ndarray  # reply tokens allowed (max_new_tokens, or what the context has left)
+    finished: np.ndarray
+    scanned: list[int]  # reply tokens already searched for stop strings
+    stopped_at: dict[int, int] = field(default_factory=dict)  # row -> end of the stop string in the reply text
+
+    @classmethod
+    def start(cls, conv: "Conversation", max_new_tokens: int, context_limit: int) -> "_Progress":
+        budget = np.array([min(max_new_tokens, context_limit - len(r.tokens)) for r in conv.rows])
+        return cls([len(r.tokens) for r in conv.rows], budget, budget <= 0, [0] * len(conv.rows))
+
+    def decode_inputs(self, conv: "Conversation", work_map) -> tuple[np.ndarray, ...]:
+        """Per working-batch slot: last token, its position, tokens drawn so far, budget left, done, row id."""
+        bw = len(work_map)
+        tok, pos, drawn, bud = (np.zeros(bw, np.int32) for _ in range(4))
+        done, rid = np.ones(bw, bool), np.zeros(bw, np.uint32)
+        for w, r in enumerate(work_map):
+            if r < 0 or self.finished[r]:
+                continue
+            row = conv.rows[r]
+            tok[w], pos[w], drawn[w] = row.tokens[-1], len(row.tokens) - 1, row.drawn
+            bud[w] = self.budget[r] - (len(row.tokens) - self.start_len[r])
+            done[w] = False
+            rid[w] = row.row_id
+        return tok, pos, drawn, bud, done, rid
+
+
 class Engine:
     """Generation for one model: `start`, `extend`, `generate` on conversations; `generate_text` for prompts."""
 
@@ -280,8 +312,7 @@ class Engine:
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
     def _cache_spec(self) -> P:
-        heads = "model" if self.mesh is not None and self.cfg.num_kv_heads % self.mesh.shape["model"] == 0 else None
-        return P("data", heads, None, None)
+        return cache_spec(self.cfg, self.mesh)
 
     def _batch_bucket(self, n: int, current: int | None = None) -> int:
         """Rows for n sequences: a power of two (times the data-axis size). When shrinking from `current`,
@@ -435,11 +466,7 @@ class Engine:
         conv = dataclasses.replace(conv, rows=[r.copy() for r in conv.rows])
         conv = self._prefill_pending(params, conv, perturbation)
         n = len(conv.rows)
-        start_len = [len(r.tokens) for r in conv.rows]
-        budget = np.array([min(int(max_new_tokens), self.context_limit - len(r.tokens)) for r in conv.rows])
-        finished = budget <= 0
-        stopped_at: dict[int, int] = {}  # row -> end of the stop string in the decoded reply text
-        scanned = [0] * n  # reply tokens already searched for stop strings
+        progress = _Progress.start(conv, int(max_new_tokens), self.context_limit)
         greedy, top_k, use_top_p = sampling.static(self.cfg.vocab_size)
         temperature = jnp.float32(sampling.temperature if not greedy else 1.0)
         top_p = jnp.float32(sampling.top_p)
@@ -452,8 +479,8 @@ class Engine:
         work_cache, work_kv = conv.cache, conv.kv_valid
         master = None  # the full conversation cache, once the working batch is a subset
         length = conv.length
-        while not finished.all():
-            live_rows = [r for r in range(n) if not finished[r]]
+        while not progress.finished.all():
+            live_rows = [r for r in range(n) if not progress.finished[r]]
             bw = self._batch_bucket(len(live_rows), len(work_map))
             if bw < len(work_map):  # shrink the working batch: finished rows go back to the full cache
                 if master is None:
@@ -482,71 +509,68 @@ class Engine:
                 new_s = self._slots(length + chunk)
                 work_cache = _grow(work_cache, new_length=new_s)
                 work_kv = np.pad(work_kv, ((0, 0), (0, new_s - work_kv.shape[1])))
-            bw = len(work_map)
-            tok = np.zeros(bw, np.int32)
-            pos = np.zeros(bw, np.int32)
-            drawn = np.zeros(bw, np.int32)
-            bud = np.zeros(bw, np.int32)
-            done = np.ones(bw, bool)
-            rid = np.zeros(bw, np.uint32)
-            for w, r in enumerate(work_map):
-                if r < 0 or finished[r]:
-                    continue
-                row = conv.rows[r]
-                tok[w], pos[w], drawn[w] = row.tokens[-1], len(row.tokens) - 1, row.drawn
-                bud[w] = budget[r] - (len(row.tokens) - start_len[r])
-                done[w] = False
-                rid[w] = row.row_id
+            tok, pos, drawn, bud, done, rid = (self._put(x, P("data")) for x in progress.decode_inputs(conv, work_map))
             work_cache, kv_dev, out_tok, out_lp, steps = _decode(
-                params, work_cache, self._put(work_kv, P("data")), self._put(tok, P("data")),
-                self._put(pos, P("data")), self._put(drawn, P("data")), self._put(bud, P("data")),
-                self._put(done, P("data")), self._put(rid, P("data")), base_key, jnp.int32(length),
-                jnp.int32(chunk), temperature, top_p, _perturbation_rows(perturbation, np.maximum(work_map, 0)),
+                params, work_cache, self._put(work_kv, P("data")), tok, pos, drawn, bud, done, rid, base_key,
+                jnp.int32(length), jnp.int32(chunk), temperature, top_p,
+                _perturbation_rows(perturbation, np.maximum(work_map, 0)),
                 cfg=self.cfg, mode=(greedy, top_k, use_top_p), chunk=chunk, eos=self.eos_ids)
-            out_tok, out_lp, steps = np.asarray(out_tok), np.asarray(out_lp), int(steps)
             work_kv = np.array(kv_dev)
-            for w, r in enumerate(work_map):
-                if r < 0 or finished[r]:
-                    continue
-                row = conv.rows[r]
-                new = out_tok[w, :steps]
-                m = int(np.sum(new >= 0))
-                row.append("generated", new[:m].tolist(), out_lp[w, :m].tolist())
-                row.drawn += m
-                conv.n_cached[r] += m
-                reply = row.tokens[start_len[r]:]
-                if m and (new[m - 1] in self.eos_ids or len(reply) >= budget[r]):
-                    finished[r] = True
-                if stop:
-                    hit = self._find_stop(reply, scanned[r], stop)
-                    scanned[r] = len(reply)
-                    if hit is not None:
-                        k, end = hit  # reply[k] completes the stop string; end: its end in the text
-                        extra = len(reply) - (k + 1)
-                        if extra:
-                            row.truncate(start_len[r] + k + 1)
-                            row.drawn -= extra
-                            conv.n_cached[r] -= extra
-                            # Step i of this chunk wrote its input at slot length + i; the token now pending
-                            # and the rolled-back ones after it were the inputs of the last `extra` live steps.
-                            work_kv[w, length + m - extra:length + m] = False
-                        stopped_at[r] = end
-                        finished[r] = True
-            length += steps
+            self._accept_chunk(conv, work_map, np.asarray(out_tok), np.asarray(out_lp), int(steps), length, work_kv,
+                               stop, progress)
+            length += int(steps)
         if master is not None:
             work_cache, work_kv = self._put_back(master, work_cache, work_kv, work_map)
         conv = dataclasses.replace(conv, cache=work_cache, kv_valid=work_kv, length=length)
+        return conv, self._replies(conv, progress)
+
+    def _accept_chunk(self, conv: Conversation, work_map, out_tok, out_lp, steps: int, length: int, work_kv,
+                      stop: Sequence[str], progress: "_Progress") -> None:
+        """Append one decoded chunk to the working rows; a row that reached EOS, its budget or a stop string
+        finishes (tokens past a stop string are rolled back, and their cache slots invalidated in work_kv)."""
+        for w, r in enumerate(work_map):
+            if r < 0 or progress.finished[r]:
+                continue
+            row = conv.rows[r]
+            new = out_tok[w, :steps]
+            m = int(np.sum(new >= 0))
+            row.append("generated", new[:m].tolist(), out_lp[w, :m].tolist())
+            row.drawn += m
+            conv.n_cached[r] += m
+            reply = row.tokens[progress.start_len[r]:]
+            if m and (new[m - 1] in self.eos_ids or len(reply) >= progress.budget[r]):
+                progress.finished[r] = True
+            if not stop:
+                continue
+            hit = self._find_stop(reply, progress.scanned[r], stop)
+            progress.scanned[r] = len(reply)
+            if hit is None:
+                continue
+            k, end = hit  # reply[k] completes the stop string; end: its end in the text
+            extra = len(reply) - (k + 1)
+            if extra:
+                row.truncate(progress.start_len[r] + k + 1)
+                row.drawn -= extra
+                conv.n_cached[r] -= extra
+                # Step i of this chunk wrote its input at slot length + i; the token now pending
+                # and the rolled-back ones after it were the inputs of the last `extra` live steps.
+                work_kv[w, length + m - extra:length + m] = False
+            progress.stopped_at[r] = end
+            progress.finished[r] = True
+
+    def _replies(self, conv: Conversation, progress: "_Progress") -> list[str]:
+        """Each row's reply text (cut at its stop string), also appended to the row's chat messages."""
         texts = []
         for r, row in enumerate(conv.rows):
-            reply = row.tokens[start_len[r]:]
+            reply = row.tokens[progress.start_len[r]:]
             text = self.decode(reply) if self.tokenizer is not None else ""
-            if r in stopped_at:
-                text = text[:stopped_at[r]]
+            if r in progress.stopped_at:
+                text = text[:progress.stopped_at[r]]
             texts.append(text)
             if row.messages is not None:
                 row.messages.append({"role": "assistant", "content": text})
         conv.last_texts = texts
-        return conv, texts
+        return texts
 
     # -- internals -----------------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ def tiny_model(seed: int = 0, mesh=None, **overrides):
     # Larger weights than the default init give peaked, input-dependent next-token distributions.
     params = jax.tree.map(lambda x: x * 10.0 if x.ndim == 2 else x, params)
     if mesh is not None:
-        from asyncres_jax.mesh import param_shardings
+        from asyncres_jax.model.sharding import param_shardings
 
         params = jax.device_put(params, param_shardings(params, cfg, mesh))
     return Model(cfg, params, tiny_tokenizer(), mesh, "tiny")

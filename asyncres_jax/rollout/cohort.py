@@ -3,7 +3,7 @@ tasks rows, through one generation over one copy of the weights (low-rank ES: es
 
 - `play_cohort(engine, params, jobs, tasks, ...)`: the jobs' members x tasks episodes in one `run_episodes`
   call with a `PopulationPolicy`; `run_cohort` summarises them as one JobResult per job (fitness = that
-  member's mean reward, as jobs.episode_job_fn computes it for one member).
+  member's mean reward, as rollout.jobs.episode_job_fn computes it for one member).
 - `JobBatcher(batch_fn)`: the glue to the pool. The pool gives each worker thread one job at a time and stays
   as it is; a JobBatcher is a plain `job_fn(job, params)` that gathers the jobs its worker threads hold for
   the same weights (same dispatch version on the same replica) and runs them as ONE `batch_fn(jobs, params)`
@@ -30,7 +30,6 @@ import numpy as np
 from asyncres_jax.errors import UserError
 from asyncres_jax.es.config import ESConfig
 from asyncres_jax.es.population import LowRankPopulation
-from asyncres_jax.jobs import member_sign
 from asyncres_jax.rollout.coordinator import Job, JobResult
 from asyncres_jax.rollout.episodes import EpisodeConfig, EpisodeResult, ModelPolicy, format_transcript, run_episodes
 
@@ -60,7 +59,7 @@ class PopulationPolicy(ModelPolicy):
 
 def _member_result(job: Job, results: Sequence[EpisodeResult], fitness: str, seconds: float,
                    batch_members: int) -> JobResult:
-    """The JobResult jobs.episode_job_fn reports for one member, from this member's share of the batch."""
+    """The JobResult rollout.jobs.episode_job_fn reports for one member, from this member's share of the batch."""
     scores = [r.partial if fitness == "partial" else r.reward for r in results]
     return JobResult(float(np.mean(scores)), {
         "episodes": len(results),
@@ -91,7 +90,7 @@ def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backe
         raise ValueError("play_cohort: the jobs are not of one version (task batch and sampling seed differ)")
     n_tasks = len(tasks)
     population = LowRankPopulation.create(params, es_cfg, [j.member_seed for j in jobs],
-                                          [member_sign(j, es_cfg) for j in jobs], rows_per_member=n_tasks,
+                                          [es_cfg.member_sign(j.member_index) for j in jobs], rows_per_member=n_tasks,
                                           contraction=contraction)
     policy = PopulationPolicy.from_config(engine, params, episode_cfg, population=population,
                                           tasks_per_member=n_tasks)

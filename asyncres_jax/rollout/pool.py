@@ -38,23 +38,6 @@ class Replica:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
 
-def replicas_from_mesh(mesh, data_axis: str = "data") -> list[Replica]:
-    """One Replica per index of the data axis, each over its own sub-mesh of the remaining axes,
-    with the weights replicated there (the model's partition rules may replace `place`)."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    axis = mesh.axis_names.index(data_axis)
-    rest = tuple(n for n in mesh.axis_names if n != data_axis)
-    replicas = []
-    for i in range(mesh.devices.shape[axis]):
-        sub = Mesh(np.take(mesh.devices, i, axis=axis), rest)
-        sharding = NamedSharding(sub, PartitionSpec())
-        replicas.append(Replica(i, sub, place=lambda p, s=sharding: jax.device_put(p, s)))
-    return replicas
-
-
 class RolloutPool:
     def __init__(
         self,
@@ -255,7 +238,8 @@ class RolloutPool:
         with self._cond:
             while not (self._stop and self.coordinator.in_flight == 0):
                 deadline = self.coordinator.next_deadline()
-                wait = self.poll_seconds if deadline is None else max(0.0, min(self.poll_seconds, deadline - self.clock()))
+                wait = (self.poll_seconds if deadline is None
+                        else max(0.0, min(self.poll_seconds, deadline - self.clock())))
                 self._cond.wait(wait)
                 if self.coordinator.expire(self.clock()):
                     self._cond.notify_all()

@@ -75,7 +75,7 @@ def driver_jax_config() -> dict[str, Any]:
     return {k: getattr(jax.config, k) for k in JAX_OPTIONS if getattr(jax.config, k, None) is not None}
 
 
-def _import_ray():
+def import_ray():
     try:
         import ray
     except ImportError:
@@ -87,7 +87,7 @@ def _import_ray():
 def connect(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 200) -> bool:
     """ray.init unless already connected: a local cluster (address None) or an existing one ("auto", host:port).
     Returns True when this call started the connection (the caller then owns ray.shutdown)."""
-    ray = _import_ray()
+    ray = import_ray()
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a training run does not report usage (set 1 to allow)
@@ -96,7 +96,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, object_stor
         kw.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 2**20)
     try:
         ray.init(address=address or None, **kw)
-    except Exception as e:  # noqa: BLE001 - Ray raises many kinds; the user needs one line
+    except Exception as e:  # Ray raises many kinds; the user needs one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
         raise UserError(f"cannot start or reach {where}: {first}; check pool.ray_address or use "
@@ -117,7 +117,7 @@ class ReplicaActor:
         try:  # kept, not raised: Ray would report only a traceback's text, and a UserError must stay one line
             s = spec.build()
             self._state, self.version, self.params = s, s.version, s.params
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._error = e if _picklable(e) else RuntimeError(repr(e))
 
     def ready(self) -> tuple[int | None, int, BaseException | None]:
@@ -147,7 +147,7 @@ class ReplicaActor:
                 self.params, self.version = params, v
         try:
             return self.version, s.job_fn(job, params), None
-        except Exception as e:  # noqa: BLE001 - reported to the coordinator, which re-issues the job
+        except Exception as e:  # reported to the coordinator, which re-issues the job
             return self.version, None, e if _picklable(e) else RuntimeError(repr(e))
 
     def close(self) -> None:
@@ -161,7 +161,7 @@ def _picklable(e: BaseException) -> bool:
     try:
         pickle.loads(pickle.dumps(e))
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 
@@ -171,7 +171,7 @@ _REMOTE = None
 def _remote_actor_class():
     global _REMOTE
     if _REMOTE is None:
-        _REMOTE = _import_ray().remote(max_restarts=0, max_concurrency=1)(ReplicaActor)
+        _REMOTE = import_ray().remote(max_restarts=0, max_concurrency=1)(ReplicaActor)
     return _REMOTE
 
 
@@ -205,7 +205,7 @@ class RayRolloutPool:
     ):
         """owns_ray: shutdown() also ends the Ray connection (the pool started it). max_restarts: replacement
         actors started over the pool's life before it stops with the last death's error."""
-        self._ray, self.owns_ray, self.max_restarts = _import_ray(), owns_ray, max_restarts
+        self._ray, self.owns_ray, self.max_restarts = import_ray(), owns_ray, max_restarts
         n = coordinator.config.num_workers if num_actors is None else num_actors
         if n != coordinator.config.num_workers:
             raise ValueError(f"{n} actors != num_workers={coordinator.config.num_workers} (one job per actor)")
@@ -301,7 +301,7 @@ class RayRolloutPool:
             raise RuntimeError(f"ray rollout pool: {self.restarts} actors died; last: {error}") from error
         try:
             self._ray.kill(slot.handle)
-        except Exception:  # noqa: BLE001 - already gone
+        except Exception:  # already gone
             pass
         self._start_actor(slot)
 
@@ -431,95 +431,23 @@ class RayRolloutPool:
         return {k: sum(s.syncs[k] for s in self.slots) for k in ("none", "replay", "copy")}
 
 
-# ------------------------------------------------------------------------------------------- the trainer's replicas
+# ------------------------------------------------------------------------------------------- the cluster
 
 
-def build_trainer_replica(cfg_yaml: str) -> ReplicaState:
-    """Inside an actor: the training config's model on this process's first M devices (M = the mesh's model
-    axis), restored from the run's latest checkpoint when there is one, and the config's job function."""
-    import functools
-    import pathlib
-    import types
+def cluster(num_actors: int, address: str = "", cpus_per_actor: float = 1.0, gpus_per_actor: float = 0.0, *,
+            hint: str = "start fewer actors or add nodes") -> tuple[bool, dict[str, str]]:
+    """Connect to (or start) the cluster for `num_actors` actors and check it can hold them all.
 
-    import jax
-    import jax.numpy as jnp
-    from omegaconf import OmegaConf
-
-    from asyncres_jax import es, trainer
-    from asyncres_jax.config import TrainConfig
-    from asyncres_jax.jobs import FAKE, fake_job_fn
-    from asyncres_jax.mesh import make_mesh, param_shardings, parse_mesh
-
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.create(cfg_yaml)))
-    m = parse_mesh(cfg.mesh)[1]
-    if len(jax.devices()) < m:
-        raise UserError(f"a rollout actor sees {len(jax.devices())} devices but the mesh's model axis is {m}; "
-                        "give each actor M devices (pool.ray_gpus_per_actor)")
-    mesh = make_mesh(f"1x{m}", jax.devices()[:m])
-    model = trainer.load_policy_model(cfg.model.name, cfg.model.dtype, mesh)
-    params, version = model.params, 0
-    try:  # a replacement actor (or a resumed run) starts from the latest checkpoint, then replays the log
-        params, restored = trainer.restore_params(pathlib.Path(cfg.run_dir), None, cfg, model)
-        version = int(restored.meta["version"])
-    except UserError:  # no checkpoint yet: the initial weights are version 0
-        pass
-    es_cfg, dtype = trainer.es_config(cfg), jnp.dtype(cfg.model.rollout_dtype)
-    shardings = param_shardings(model.params, model.config, mesh)
-
-    def place(tree):
-        return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s).astype(dtype), tree, shardings)
-
-    def replay(p, seeds, shaped):  # as ESTrainer._replay_fn: exact for SGD on float32 copies only
-        seeds = seeds[0::2] if es_cfg.antithetic else seeds
-        return es.apply_logged_update(p, es.init(p, es_cfg), seeds, shaped, es_cfg)[0]
-    replayable = cfg.es.optimizer == "sgd" and cfg.model.rollout_dtype == "float32"
-
-    shell = types.SimpleNamespace(cfg=cfg, model=model, es_cfg=es_cfg, backend=None)
-    if cfg.tasks.dataset == FAKE:
-        job_fn = fake_job_fn(model.config, es_cfg)
-    else:  # the trainer's own episode wiring, with this actor's model and its own sandbox backend
-        shell._cohort_job = functools.partial(trainer.ESTrainer._cohort_job, shell)
-        job_fn = trainer.ESTrainer._episode_job(shell, pathlib.Path(cfg.tasks.dataset))
-
-    def close():
-        if shell.backend is not None:
-            shell.backend.close()
-    return ReplicaState(version, place(params), job_fn, replay if replayable else None, place, close)
-
-
-def check_config(cfg) -> None:
-    """What pool.backend=ray refuses, before anything is started or written."""
-    from asyncres_jax import distributed
-
-    _import_ray()
-    if cfg.pool.workers_per_replica != 1:
-        raise UserError(f"pool.backend=ray runs one job per actor; set pool.ray_actors= instead of "
-                        f"pool.workers_per_replica={cfg.pool.workers_per_replica}")
-    if distributed.num_processes() > 1:
-        raise UserError("pool.backend=ray is driven by one process; start the trainer without jax.distributed")
-
-
-def trainer_pool(cfg, coordinator: Coordinator, store: ParamStore, *,
-                 on_commit: Callable[[Cohort], None] | None = None) -> "RayRolloutPool":
-    """The RayRolloutPool of a training config (pool.backend=ray): connects to (or starts) the cluster."""
-    import functools
-
-    from asyncres_jax.config import to_yaml
-
-    check_config(cfg)
-    p, n = cfg.pool, coordinator.config.num_workers
-    need = {"CPU": n * p.ray_cpus_per_actor, "GPU": n * p.ray_gpus_per_actor}
+    Returns (whether this call started the connection, the actors' environment: CPU_ENV unless they take GPUs).
+    """
+    need = {"CPU": num_actors * cpus_per_actor, "GPU": num_actors * gpus_per_actor}
     # A local cluster's CPUs are logical: give it at least one per actor, so no actor waits for a free one.
-    owns = connect(p.ray_address or None, num_cpus=max(os.cpu_count() or 1, math.ceil(need["CPU"])))
-    have = _import_ray().cluster_resources()
+    owns = connect(address or None, num_cpus=max(os.cpu_count() or 1, math.ceil(need["CPU"])))
+    have = import_ray().cluster_resources()
     short = [f"{need[k]:g} {k}s" for k in need if need[k] > have.get(k, 0)]
     if short:  # Ray would leave the actors pending forever: say so now
         if owns:
-            _import_ray().shutdown()
-        raise UserError(f"{n} rollout actors need {' and '.join(short)} but the Ray cluster has "
-                        f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs; lower pool.ray_actors or "
-                        "pool.ray_cpus_per_actor / pool.ray_gpus_per_actor, or add nodes")
-    env = dict(CPU_ENV) if p.ray_gpus_per_actor == 0 else {}
-    spec = ActorSpec(functools.partial(build_trainer_replica, to_yaml(cfg)), num_cpus=p.ray_cpus_per_actor,
-                     num_gpus=p.ray_gpus_per_actor, env=env, jax_config=driver_jax_config())
-    return RayRolloutPool(coordinator, store, spec, on_commit=on_commit, owns_ray=owns)
+            import_ray().shutdown()
+        raise UserError(f"{num_actors} rollout actors need {' and '.join(short)} but the Ray cluster has "
+                        f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs; {hint}")
+    return owns, (dict(CPU_ENV) if gpus_per_actor == 0 else {})

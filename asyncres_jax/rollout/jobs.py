@@ -1,8 +1,11 @@
-"""ES pool jobs: what one member's evaluation is. A job function is `job_fn(job, params) -> JobResult`.
+"""ES pool jobs: what one member's evaluation is. A job function is `job_fn(job, params) -> JobResult`; the
+threaded pool and every Ray actor build theirs with `es_job_fn` (or `fake_job_fn`) and replay with `replay_fn`.
 
 - `episode_job_fn`: the real one. Perturb the replica's weights with the member's seed, play the version's
   task batch as multi-turn episodes (one batched generation per turn, commands in sandboxes), fitness = mean
   reward (binary) or mean fraction of tests passed (partial).
+- `cohort_job_fn`: low-rank ES with the members a replica's workers hold played as one batch over one copy of
+  the weights (rollout/cohort.py).
 - `fake_job_fn` (tasks.dataset = "fake"): a deterministic stand-in for tests and for timing the learner. The
   fitness is the mean log-probability the perturbed model gives fixed token sequences (drawn from the
   version's sampling seed), a smooth function of the parameters that ES can climb. No sandboxes.
@@ -31,11 +34,6 @@ from asyncres_jax.rollout.coordinator import Job, JobResult
 
 FAKE = "fake"
 FAKE_SEQUENCES, FAKE_LENGTH = 4, 16
-
-
-def member_sign(job: Job, cfg: es.ESConfig) -> int:
-    """Antithetic members come in pairs sharing a seed: member 2k is +eps, member 2k+1 is -eps."""
-    return -1 if cfg.antithetic and job.member_index % 2 else 1
 
 
 def task_batch(tasks: Sequence[Any], global_seed: int, version: int, size: int) -> list[Any]:
@@ -79,7 +77,7 @@ def fake_tokens(sampling_seed: int, vocab_size: int) -> np.ndarray:
 def fake_job_fn(model_cfg: ModelConfig, es_cfg: es.ESConfig) -> Callable[[Job, Any], JobResult]:
     def job_fn(job: Job, params) -> JobResult:
         t = time.monotonic()
-        perturbed = es.perturb(params, job.member_seed, es_cfg, sign=member_sign(job, es_cfg))
+        perturbed = es.perturb(params, job.member_seed, es_cfg, sign=es_cfg.member_sign(job.member_index))
         tokens = fake_tokens(job.sampling_seed, model_cfg.vocab_size)
         mesh = _replica_mesh(params)
         tokens = jax.device_put(tokens, NamedSharding(mesh, P()) if mesh is not None else None)
@@ -90,6 +88,30 @@ def fake_job_fn(model_cfg: ModelConfig, es_cfg: es.ESConfig) -> Callable[[Job, A
 
 
 # ------------------------------------------------------------------------------------------- real episodes
+
+
+def es_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESConfig, *, global_seed: int,
+              tasks_per_member: int, fitness: str = "binary", batched_population: bool = False,
+              workers_per_replica: int = 1) -> Callable[[Job, Any], JobResult]:
+    """The ES pool's job over real episodes: one member per call, or (batched_population) the members a
+    replica's workers hold at once, batched into one cohort."""
+    kw = dict(global_seed=global_seed, tasks_per_member=tasks_per_member, fitness=fitness)
+    if batched_population:
+        return cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=workers_per_replica, **kw)
+    return episode_job_fn(model, tasks, backend, episode_cfg, es_cfg, **kw)
+
+
+def cohort_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESConfig, *, global_seed: int,
+                  tasks_per_member: int, fitness: str = "binary", max_batch: int = 1):
+    """Low-rank ES with up to `max_batch` members played as one batch over one copy of W (a JobBatcher)."""
+    from asyncres_jax.rollout.cohort import JobBatcher, run_cohort
+
+    engine_for = engines_per_mesh(model, episode_cfg.context_limit)
+
+    def batch_fn(jobs, params):
+        batch = task_batch(tasks, global_seed, jobs[0].dispatch_version, tasks_per_member)
+        return run_cohort(engine_for(params), params, jobs, batch, backend, episode_cfg, es_cfg, fitness=fitness)
+    return JobBatcher(batch_fn, max_batch=max_batch)
 
 
 def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESConfig, *, global_seed: int,
@@ -107,7 +129,7 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
 
     def job_fn(job: Job, params) -> JobResult:
         t = time.monotonic()
-        perturbed = es.perturb(params, job.member_seed, es_cfg, sign=member_sign(job, es_cfg))
+        perturbed = es.perturb(params, job.member_seed, es_cfg, sign=es_cfg.member_sign(job.member_index))
         batch = task_batch(tasks, global_seed, job.dispatch_version, tasks_per_member)
         policy = policy_factory(engine_for(params), perturbed, episode_cfg)
         results = run_episodes(policy, batch, backend, episode_cfg, seed=job.sampling_seed)
@@ -143,3 +165,20 @@ def engines_per_mesh(model, context_limit: int) -> Callable[[Any], Any]:
                                        context_limit=context_limit)
             return engines[mesh]
     return engine_for
+
+
+# ------------------------------------------------------------------------------------------- replay
+
+
+def replay_fn(es_cfg: es.ESConfig, rollout_dtype: str = "float32") -> Callable[[Any, Any, Any], Any] | None:
+    """replay(params, seeds, shaped) -> params one update later, or None where only a copy is exact.
+
+    Replaying (seeds, z) on a replica's copy moves N integers instead of the weights. It is exact only for the
+    stateless SGD rule without weight decay (whose anchor, the initial weights, a replica does not hold) on
+    float32 copies: a bf16 copy would round away most of each ~1e-4 step."""
+    if es_cfg.optimizer != "sgd" or es_cfg.weight_decay > 0 or rollout_dtype != "float32":
+        return None
+
+    def replay(params, seeds, shaped):
+        return es.apply_logged_update(params, es.init(params, es_cfg), es_cfg.update_seeds(seeds), shaped, es_cfg)[0]
+    return replay

@@ -1,0 +1,70 @@
+"""How the decoder's arrays are laid out on a ("data", "model") mesh.
+
+Each parameter names its logical axes where decoder.py defines it ("vocab", "embed", "heads", "mlp"); the KV
+cache's are CACHE_AXES. One table, LOGICAL_TO_MESH, maps logical axes to mesh axes: "model" splits attention
+heads (q/k/v columns, o_proj rows), the MLP's hidden dimension and the vocabulary; "data" splits batch rows (D
+rollout engines) and replicates the weights. Heads are contiguous blocks of head_dim columns, so a model axis
+that divides the head counts splits whole heads. A dimension the mesh axis does not divide (a vocabulary of odd
+size) is replicated instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from asyncres_jax.mesh import check_fits
+from asyncres_jax.model.config import ModelConfig
+from asyncres_jax.model.decoder import param_axes
+
+LOGICAL_TO_MESH: dict[str, str | None] = {
+    "vocab": "model",
+    "heads": "model",  # q/k/v output columns and o_proj input rows, whole heads at a time
+    "kv_heads": "model",
+    "mlp": "model",
+    "embed": None,  # the residual stream stays whole on every device
+    "batch": "data",
+    "cache_seq": None,
+    "head_dim": None,
+}
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # a layer's [B, nkv, S, hd] keys or values
+
+
+def logical_to_spec(axes: Sequence[str], mesh_shape: dict[str, int], shape: Sequence[int | None] | None = None) -> P:
+    """The PartitionSpec of an array with these logical axes; dimensions of `shape` (None: unknown) that their
+    mesh axis does not divide stay replicated."""
+    out = []
+    for i, name in enumerate(axes):
+        axis = LOGICAL_TO_MESH[name]
+        size = None if shape is None else shape[i]
+        if axis is not None and size is not None and size % mesh_shape[axis]:
+            axis = None
+        out.append(axis)
+    return P(*out) if any(out) else P()  # fully replicated: one spelling, P()
+
+
+@functools.lru_cache(maxsize=32)
+def _param_axes(cfg: ModelConfig):
+    return param_axes(cfg)
+
+
+def param_specs(params_like, cfg: ModelConfig, model_size: int):
+    """A PartitionSpec per leaf of a params pytree (arrays or ShapeDtypeStructs) of the decoder of `cfg`."""
+    mesh_shape = {"data": 1, "model": model_size}
+    return jax.tree.map(lambda leaf, axes: logical_to_spec(axes, mesh_shape, leaf.shape), params_like,
+                        _param_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def param_shardings(params_like, cfg: ModelConfig, mesh: Mesh):
+    """NamedSharding per leaf; raises UserError when the mesh does not fit the model."""
+    check_fits(mesh, cfg)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params_like, cfg, mesh.shape["model"]),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def cache_spec(cfg: ModelConfig, mesh: Mesh) -> P:
+    """The KV cache's PartitionSpec: rows over "data", kv heads over "model" where it divides them."""
+    return logical_to_spec(CACHE_AXES, dict(mesh.shape), (None, cfg.num_kv_heads, None, None))
