@@ -42,6 +42,7 @@ CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS, LOCK_FILE = "config.yaml", "manifest.js
 # Keys that may change between sessions of one run: where it runs and how long it goes on.
 SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps", "pool.backend", "pool.ray_address", "pool.ray_actors",
                 "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor", "eval.base_from")
+ADDED_KEYS = ("es.divide_by_sigma", "es.weight_decay", "es.adam_b1", "es.adam_b2", "es.adam_eps")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
             "safetensors", "omegaconf", "asyncres-jax")
 
@@ -77,7 +78,14 @@ def identity(cfg: TrainConfig) -> dict:
 
 
 def fingerprint(cfg: TrainConfig) -> str:
-    return hashlib.sha256(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:16]
+    """A hash of the identity. Options the schema gained after runs were made count only when set: at their
+    defaults they leave the fingerprint as it was, so the checkpoints of those runs still resume."""
+    d, default = identity(cfg), identity(TrainConfig())
+    for key in ADDED_KEYS:
+        section, name = key.split(".")
+        if d[section][name] == default[section][name]:
+            del d[section][name]
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:

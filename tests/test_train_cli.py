@@ -138,3 +138,13 @@ def test_every_shipped_config_is_valid_for_its_program():
 def test_training_caps_glibc_malloc_arenas():
     # the training program calls this before starting threads (see train.limit_malloc_arenas for the why)
     assert train.limit_malloc_arenas(8) is True
+
+
+def test_options_added_to_the_schema_keep_earlier_runs_fingerprints():
+    from asyncres_jax.run import fingerprint
+
+    # recorded before es.divide_by_sigma, es.weight_decay and es.adam_* became config keys
+    assert fingerprint(load_config(None)) == "34c56ad8b7a71c0c"
+    assert fingerprint(load_config(REPO / "configs" / "smollm2_cpu.yaml")) == "47c8fcf6b173e1c0"
+    assert fingerprint(load_config(None, ["es.optimizer=adam", "es.noise=lowrank"])) == "2d3e8f334305906f"
+    assert fingerprint(load_config(None, ["es.weight_decay=0.01"])) != "34c56ad8b7a71c0c"  # set, it counts
