@@ -115,3 +115,35 @@ def test_paced_admission_in_the_threaded_pool_accepts_every_job_in_dispatch_orde
     for v in range(6):  # cohort v is jobs 4v .. 4v + 3, whatever order they finished in
         assert sorted(store.entries(v, v + 1)[0].seeds) == sorted(seeds[j] for j in range(4 * v, 4 * v + 4))
     assert all(max(m.staleness_hist) <= 1 for m in metrics)
+
+
+def test_a_cancelled_cohort_batch_stops_every_job_it_holds():
+    from asyncres_jax.rollout.cohort import JobBatcher
+    from asyncres_jax.rollout.coordinator import Job
+
+    played = []
+
+    def batch_fn(jobs, params):  # stands in for run_cohort: run_episodes checks between turns
+        for turn in range(100):
+            cancel.check()
+            played.append(turn)
+            if turn == 2:
+                stale.set()  # a commit makes the version (all jobs of a batch share it) too stale
+        return [JobResult(1.0) for _ in jobs]
+
+    stale, errors, params = threading.Event(), [], {"w": 0}  # one replica's weights: the jobs batch together
+    batcher = JobBatcher(batch_fn, max_batch=2, linger_s=5.0)
+
+    def worker(i):
+        with cancel.scope(stale):  # the pool sets every cancelled attempt's event at once
+            try:
+                batcher(Job(i, 0, i, 100 + i, 0, 0), params)
+            except cancel.Cancelled as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert played == [0, 1, 2] and len(errors) == 2 and batcher.batch_sizes == [2]
