@@ -263,7 +263,7 @@ def test_actors_the_cluster_cannot_hold_are_refused_not_left_pending(cluster, ca
 
 
 def straggler_replica() -> ReplicaState:
-    """Inside an actor: job 0 would run for a minute in 10 ms turns, checking for cancellation; the rest are quick."""
+    """Inside an actor: job 0 would run a minute in 10 ms turns, checking for cancellation; the rest are quick."""
     import time
 
     from asyncres_jax.rollout import JobResult, cancel

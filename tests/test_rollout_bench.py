@@ -29,9 +29,10 @@ def test_bench_pool_json_rows_have_the_promised_fields(capsys):
     assert by["heavy", "sync"]["seconds_per_update"] > 1.5 * by["heavy", "async-1"]["seconds_per_update"]
     assert by["paper", "delay-4"]["max_accepted_staleness"] == 4
     # The variants differ as promised: drop wastes dropped work, cancel cancelled work, paced neither.
-    assert by["heavy", "async-1-drop"]["dropped_fraction"] > 0.1 and by["heavy", "async-1-drop"]["cancelled_fraction"] == 0
-    assert by["heavy", "async-1"]["cancelled_fraction"] > 0 and by["heavy", "async-1"]["dropped_fraction"] == 0
-    assert by["heavy", "async-1-paced"]["cancelled_fraction"] == by["heavy", "async-1-paced"]["dropped_fraction"] == 0
+    drop, cancel, paced = (by["heavy", s] for s in ("async-1-drop", "async-1", "async-1-paced"))
+    assert drop["dropped_fraction"] > 0.1 and drop["cancelled_fraction"] == 0
+    assert cancel["cancelled_fraction"] > 0 and cancel["dropped_fraction"] == 0
+    assert paced["cancelled_fraction"] == paced["dropped_fraction"] == 0
     # The correlated scenario compares each schedule's update direction with sync's (same seeds).
     sync = by["correlated", "sync"]
     assert sync["update_cosine_vs_sync"] == pytest.approx(1.0) and sync["duration_fitness_correlation"] < -0.3
