@@ -145,6 +145,9 @@ class PoolSection:
     max_staleness: int = opt(1, "K: results staler than K updates are dropped (async)")
     held_back: int = opt(3, "controlled: results of each cohort held back")
     delay: int = opt(4, "controlled: updates by which held-back results are delayed")
+    pace_admission: bool = opt(False, "async: start a job only if its result is sure to be accepted; cohorts "
+                               "are formed in dispatch order and a commit waits for its slowest job (nothing "
+                               "dropped or cancelled, no bias toward fast episodes, idle workers instead)")
     workers_per_replica: int = opt(1, "worker threads sharing one model replica")
     job_deadline_s: float = opt(3600.0, "a job running longer is re-issued with the same seed")
     backend: str = opt("threads", "threads (replicas on this process's devices) or ray (one Ray actor per replica)")
@@ -164,6 +167,9 @@ class PoolSection:
         _positive("pool", "delay", self.delay)
         _positive("pool", "workers_per_replica", self.workers_per_replica)
         _positive("pool", "job_deadline_s", self.job_deadline_s)
+        if self.pace_admission and self.mode != "async":
+            raise UserError(f"pool.pace_admission=true needs pool.mode=async (mode is {self.mode}); "
+                            "barrier schedules never drop a result")
 
 
 @dataclass

@@ -64,6 +64,7 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
         "staleness_hist": hist,
         "stale_fraction": float(np.mean(np.asarray(staleness) > 0)),
         "dropped": int(metrics.dropped),
+        "cancelled": int(metrics.cancelled),  # running jobs stopped because a commit made them too stale
         "reissued": int(metrics.reissued),
         "wasted_seconds": float(metrics.wasted_seconds),
         "utilization": float(metrics.utilization),

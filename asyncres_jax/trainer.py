@@ -43,7 +43,7 @@ def pool_config(cfg: TrainConfig, num_workers: int) -> PoolConfig:
         population=cfg.es.population, num_workers=num_workers, mode=p.mode,
         max_staleness={"async": p.max_staleness, "sync": 0, "controlled": None}[p.mode],
         held_back=p.held_back if controlled else 0, delay=p.delay if controlled else 0,
-        global_seed=cfg.seed, deadline_seconds=p.job_deadline_s)
+        global_seed=cfg.seed, deadline_seconds=p.job_deadline_s, paced=p.pace_admission)
 
 
 def check_supported(cfg: TrainConfig) -> None:

@@ -54,6 +54,12 @@ def test_missing_config_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_paced_admission_is_an_async_option():
+    assert load_config(None, ["pool.pace_admission=true"]).pool.pace_admission
+    with pytest.raises(UserError, match="pool.pace_admission=true needs pool.mode=async"):
+        load_config(None, ["pool.pace_admission=true", "pool.mode=sync"])
+
+
 def test_antithetic_needs_even_population():
     with pytest.raises(UserError, match="must be even"):
         load_config(None, ["es.antithetic=true", "es.population=7"])

@@ -46,8 +46,8 @@ def scalars(events) -> dict[str, dict[int, float]]:
 
 
 def record(update: int, fitness, stale=(0, 0, 1)) -> dict:
-    m = SimpleNamespace(staleness_hist={0: stale.count(0), 1: stale.count(1)}, dropped=1, reissued=0,
-                        wasted_seconds=0.5, utilization=0.8, wall_seconds=2.0)
+    m = SimpleNamespace(staleness_hist={0: stale.count(0), 1: stale.count(1)}, dropped=1, cancelled=0,
+                        reissued=0, wasted_seconds=0.5, utilization=0.8, wall_seconds=2.0)
     stats = [{"tokens": 100, "episodes": 2, "successes": 1, "transcript": "x"}] * len(fitness)
     return metrics.update_record(update, np.array(fitness), np.array(stale), m, stats, elapsed_s=10.0 * update)
 

@@ -263,3 +263,43 @@ def test_actors_the_cluster_cannot_hold_are_refused_not_left_pending(cluster, ca
     assert code == 2
     assert last.startswith("error: 2 rollout actors need 2 GPUs but the Ray cluster has 4 CPUs and 0 GPUs")
     assert ray.is_initialized()  # the cluster the trainer did not start is left running
+
+
+def straggler_replica() -> ReplicaState:
+    """Inside an actor: job 0 would run a minute in 10 ms turns, checking for cancellation; the rest are quick."""
+    import time
+
+    from asyncres_jax.rollout import JobResult, cancel
+
+    def job_fn(job, params):
+        if job.job_id == 0:
+            t = time.monotonic()
+            while time.monotonic() - t < 60:
+                cancel.check()
+                time.sleep(0.01)
+            return JobResult(-1.0)
+        time.sleep(0.05)
+        return JobResult(float(job.member_index))
+
+    return ReplicaState(0, {"w": np.zeros(2, np.float32)}, job_fn, None)
+
+
+def test_a_job_cancelled_by_a_commit_stops_in_its_actor_which_takes_new_jobs(cluster):
+    from asyncres_jax.rollout import ParamStore
+
+    store = ParamStore({"w": np.zeros(2, np.float32)}, apply_update=lambda p, o, s, z: (p, o),
+                       shape=lambda f: f - f.mean())
+    coord = Coordinator(PoolConfig(population=3, num_workers=2, mode="async", max_staleness=1), es.member_seed)
+    cohorts = []
+    pool = RayRolloutPool(coord, store, ActorSpec(straggler_replica, num_cpus=1), on_commit=cohorts.append,
+                          poll_seconds=0.01)
+    try:
+        metrics = pool.run_until(5, timeout=50)  # job 0 alone would hold its actor for 60 s
+    finally:
+        pool.shutdown()
+    first = next(a for a, o in coord.outcomes.items() if o == "cancelled")
+    assert coord.cancelled == 1 and coord.dropped == 0 and first == 0  # job 0's only attempt
+    assert sum(m.cancelled for m in metrics) == 1 and all(max(m.staleness_hist) <= 1 for m in metrics)
+    assert all(sum(s.syncs.values()) >= 2 for s in pool.slots)  # both actors ran jobs after the cancellation
+    assert 0 not in {r.job.job_id for c in cohorts for r in c.results}
+    assert_each_job_counted_once(cohorts, coord, n=3)

@@ -29,6 +29,7 @@ def coordinator(**kw):
         (dict(population=8, num_workers=2, mode="async", held_back=2), "only apply to mode=controlled"),
         (dict(population=8, num_workers=2, mode="lockstep"), "not one of"),
         (dict(population=8, num_workers=2, deadline_seconds=0), "must be positive"),
+        (dict(population=8, num_workers=2, mode="sync", paced=True), "paced admission applies to mode=async"),
     ],
 )
 def test_bad_configuration_is_a_user_error_at_start_up(kw, words):
@@ -48,7 +49,7 @@ def test_jobs_carry_version_member_seed_and_common_random_numbers():
 
 
 def test_admission_allows_K_plus_v_plus_1_cohorts_plus_dropped():
-    c = coordinator(mode="async", max_staleness=1)
+    c = coordinator(mode="async", max_staleness=1, cancel_stale=False)  # the stale job runs to the end
     attempts = [c.dispatch(0.0) for _ in range(8)]  # (K + 0 + 1) * N = 8
     assert all(attempts) and c.dispatch(0.0) is None
     for a in attempts[1:5]:  # four results complete cohort 0 -> version 1, four more slots
@@ -63,6 +64,51 @@ def test_admission_allows_K_plus_v_plus_1_cohorts_plus_dropped():
     assert c.on_result(attempts[0].attempt_id, JobResult(0.0), 3.0) is None
     assert c.dropped == 1 and c.outcomes[attempts[0].attempt_id] == "dropped"
     assert c.dispatched == 12 and c.dispatch(3.0) is not None  # cap (1 + 2 + 1) * 4 + 1 = 17 > 12
+
+
+def test_a_commit_cancels_the_running_jobs_it_made_too_stale_and_refunds_their_slots():
+    c = coordinator(mode="async", max_staleness=1)
+    attempts = [c.dispatch(0.0) for _ in range(8)]
+    for a in attempts[1:5]:
+        c.on_result(a.attempt_id, JobResult(1.0), 1.0)
+    assert c.take_cancelled() == []  # version 1: every version-0 job can still be accepted
+    more = [c.dispatch(1.0) for _ in range(4)]
+    for a in attempts[5:8]:
+        c.on_result(a.attempt_id, JobResult(0.5), 2.0)
+    busy = c.busy_workers
+    cohort = c.on_result(more[0].attempt_id, JobResult(0.5), 2.0)  # commits cohort 1 -> version 2
+    assert cohort is not None and cohort.metrics.cancelled == 0
+    # attempts[0] (version 0) can no longer be accepted: cancelled at the commit, not dropped later.
+    assert c.take_cancelled() == [attempts[0]] and c.take_cancelled() == []
+    assert c.outcomes[attempts[0].attempt_id] == "cancelled" and (c.cancelled, c.dropped) == (1, 0)
+    assert c.in_flight == 3 and c.stopping == 1 and c.busy_workers == busy - 1  # still busy until it stops
+    extra = c.dispatch(2.0)
+    assert c.dispatched == 13 and extra is not None  # cap (1 + 2 + 1) * 4 + 1 cancelled = 17
+    # The worker stops (or finishes anyway): its time is cancelled work, the result is never counted.
+    assert c.on_result(attempts[0].attempt_id, JobResult(9.0), 2.5) is None
+    assert c.stopping == 0 and c.outcomes[attempts[0].attempt_id] == "cancelled"
+    for a in more[1:] + [extra]:
+        cohort = c.on_result(a.attempt_id, JobResult(0.0), 3.0)
+    assert cohort.version == 2 and cohort.metrics.cancelled == 1 and cohort.metrics.cancelled_seconds == 2.5
+    assert cohort.metrics.dropped == 0 and 0 not in {r.job.job_id for r in cohort.results}
+    with pytest.raises(ValueError, match="not running"):
+        c.on_result(attempts[0].attempt_id, JobResult(0.0), 3.0)
+
+
+def test_paced_admission_commits_cohorts_in_dispatch_order_and_accepts_every_job():
+    c = coordinator(mode="async", max_staleness=1, paced=True)
+    attempts = [c.dispatch(0.0) for _ in range(8)]  # (K + 0 + 1) * N = 8, never more: nothing is refunded
+    assert c.dispatch(0.0) is None
+    # Jobs 1..7 finish, job 0 (a straggler) does not: cohort 0 (jobs 0..3) waits for it; cohort 1 is complete.
+    assert all(c.on_result(a.attempt_id, JobResult(1.0), 1.0) is None for a in attempts[1:])
+    assert c.version == 0 and c.dispatch(1.0) is None
+    cohort = c.on_result(attempts[0].attempt_id, JobResult(0.0), 5.0)
+    assert [r.job.job_id for r in cohort.results] == [0, 1, 2, 3]
+    nxt = c.commit_ready(5.0)  # cohort 1 was already complete: jobs 4..7, all dispatched at version 0
+    assert [r.job.job_id for r in nxt.results] == [4, 5, 6, 7] and nxt.metrics.staleness_hist == {1: 4}
+    assert c.version == 2 and c.commit_ready(5.0) is None
+    assert (c.dropped, c.cancelled, c.take_cancelled()) == (0, 0, [])
+    assert [c.dispatch(5.0).job.job_id for _ in range(8)] == list(range(8, 16)) and c.dispatch(5.0) is None
 
 
 def test_sync_dispatches_nothing_of_the_next_version_before_the_barrier():
@@ -199,7 +245,7 @@ def test_state_dict_round_trip_continues_the_same_schedule():
 
 
 def test_a_reissue_that_could_only_be_dropped_is_not_rerun():
-    c = coordinator(mode="async", max_staleness=1)
+    c = coordinator(mode="async", max_staleness=1, cancel_stale=False)  # (with it, first[0] is cancelled)
     first = [c.dispatch(0.0) for _ in range(8)]
     for a in first[1:5]:
         c.on_result(a.attempt_id, JobResult(1.0), 1.0)

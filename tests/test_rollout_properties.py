@@ -38,6 +38,8 @@ def schedules(draw, faults=False):
     kw = {}
     if mode == "async":
         kw["max_staleness"] = draw(st.integers(0, 3))
+        kw["cancel_stale"] = draw(st.booleans())
+        kw["paced"] = draw(st.booleans())
     if mode == "controlled":
         kw["held_back"] = draw(st.integers(1, n - 1))
         kw["delay"] = draw(st.integers(1, 4))
@@ -50,9 +52,10 @@ sigmas = st.sampled_from([0.05, 0.5, 1.0, 1.5, 2.5])
 
 
 @settings(max_examples=60, deadline=None)
-@given(cfg=schedules(), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.05, 1.0, 2.5, 2.5]))
-def test_no_accepted_result_is_staler_than_the_bound(cfg, seed, sigma):
-    run = simulate(cfg, durations(seed, sigma), num_updates=16)
+@given(cfg=schedules(), seed=st.integers(0, 10**6), sigma=st.sampled_from([0.05, 1.0, 2.5, 2.5]),
+       turn=st.sampled_from([None, 0.1, 1.0]))
+def test_no_accepted_result_is_staler_than_the_bound(cfg, seed, sigma, turn):
+    run = simulate(cfg, durations(seed, sigma), num_updates=16, turn_seconds=turn)
     assert not run.stalled and len(run.cohorts) == 16
     for c in run.cohorts:
         assert len(c.results) == cfg.population
@@ -62,9 +65,11 @@ def test_no_accepted_result_is_staler_than_the_bound(cfg, seed, sigma):
 
 @settings(max_examples=40, deadline=None)
 @given(cfg=schedules(faults=True), seed=st.integers(0, 10**6), sigma=sigmas,
-       p_raise=st.sampled_from([0.0, 0.1, 0.3]), p_hang=st.sampled_from([0.0, 0.1]))
-def test_every_attempt_is_accepted_dropped_or_reissued_exactly_once(cfg, seed, sigma, p_raise, p_hang):
-    run = simulate(cfg, durations(seed, sigma, p_raise, p_hang), num_updates=8)
+       p_raise=st.sampled_from([0.0, 0.1, 0.3]), p_hang=st.sampled_from([0.0, 0.1]),
+       turn=st.sampled_from([None, 0.5]))
+def test_every_attempt_is_accepted_dropped_cancelled_or_reissued_exactly_once(cfg, seed, sigma, p_raise, p_hang,
+                                                                              turn):
+    run = simulate(cfg, durations(seed, sigma, p_raise, p_hang), num_updates=8, turn_seconds=turn)
     coord = run.coordinator
     by_job = collections.defaultdict(list)
     for a in run.dispatches:
@@ -83,15 +88,22 @@ def test_every_attempt_is_accepted_dropped_or_reissued_exactly_once(cfg, seed, s
         if outs[-1] in ("failed", "expired"):  # waiting to be re-issued, or dropped before a pointless rerun
             assert (job_id in {j.job_id for j, _ in coord._reissue}) != (job_id in coord.dropped_unrun)
         else:
-            assert outs[-1] in (None, "accepted", "dropped") and job_id not in coord.dropped_unrun
+            assert outs[-1] in (None, "accepted", "dropped", "cancelled") and job_id not in coord.dropped_unrun
     dropped = sum(o == "dropped" for o in coord.outcomes.values()) + len(coord.dropped_unrun)
     assert dropped == coord.dropped >= sum(m.dropped for m in run.metrics)
-    # Jobs created = committed + dropped + waiting in the cohort/held buffers + running or owed.
+    cancelled = sum(o == "cancelled" for o in coord.outcomes.values())
+    assert cancelled == coord.cancelled >= sum(m.cancelled for m in run.metrics)
+    if not (cfg.mode == "async" and cfg.cancel_stale) or cfg.paced:
+        assert cancelled == 0
+    if cfg.paced:
+        assert dropped == 0 and all(r.job.job_id // cfg.population == c.version for c in run.cohorts
+                                    for r in c.results)  # cohort v = the v-th N jobs, in dispatch order
+    # Jobs created = committed + dropped + cancelled + waiting in the cohort/held buffers + running or owed.
     waiting = sum(len(rs) for rs in coord._held.values()) + len(coord._cohort)
     unresolved = {j for j, atts in by_job.items()
                   if coord.outcomes.get(atts[-1].attempt_id) in (None, "failed", "expired")} - coord.dropped_unrun
     assert coord.dispatched == len(by_job) + coord.carried_pending
-    assert len(by_job) == len(committed) + dropped + waiting + len(unresolved)
+    assert len(by_job) == len(committed) + dropped + cancelled + waiting + len(unresolved)
 
 
 @settings(max_examples=30, deadline=None)
@@ -133,7 +145,7 @@ def test_async_keeps_its_throughput_when_results_are_dropped():
     n, w = 16, 8
     base = dict(population=n, num_workers=w)
     sync = _heavy_tail(PoolConfig(mode="sync", **base))
-    async1 = _heavy_tail(PoolConfig(mode="async", max_staleness=1, **base))
+    async1 = _heavy_tail(PoolConfig(mode="async", max_staleness=1, cancel_stale=False, **base))
     ms = async1.metrics
     assert sum(m.dropped for m in ms) > 20  # the long tail does produce drops ...
     assert max(max(m.staleness_hist) for m in ms) == 1  # ... and none of them is accepted
@@ -142,8 +154,32 @@ def test_async_keeps_its_throughput_when_results_are_dropped():
     assert np.mean([m.utilization for m in late]) > 0.99
     assert async1.end_time < 0.6 * sync.end_time
     # Without the "+ dropped" refund, drops eat the headroom for good: the schedule decays, then stalls.
-    no_refund = _heavy_tail(PoolConfig(mode="async", max_staleness=1, refund_dropped=False, **base))
+    no_refund = _heavy_tail(PoolConfig(mode="async", max_staleness=1, refund_dropped=False, cancel_stale=False,
+                                       **base))
     assert no_refund.stalled or no_refund.end_time > 1.5 * async1.end_time
+
+
+def test_cancelling_what_can_no_longer_be_accepted_saves_the_work_dropping_wastes():
+    base = dict(population=16, num_workers=8, mode="async", max_staleness=1)
+    dropping = _heavy_tail(PoolConfig(cancel_stale=False, **base)).metrics[20:]
+    cancelling = _heavy_tail(PoolConfig(**base)).metrics[20:]
+    assert sum(m.cancelled for m in cancelling) > 20 and sum(m.dropped for m in cancelling) == 0
+    assert max(max(m.staleness_hist) for m in cancelling) == 1
+    wall = [sum(m.wall_seconds for m in ms) for ms in (dropping, cancelling)]
+    waste = [sum(m.dropped_seconds + m.cancelled_seconds for m in ms) for ms in (dropping, cancelling)]
+    # A cancelled job stops at the commit that made it stale instead of running on (the time it ran before that
+    # commit is lost either way): workers waste less, updates come faster.
+    assert waste[1] < 0.8 * waste[0] and wall[1] < 0.95 * wall[0]
+
+
+def test_paced_admission_drops_nothing_and_keeps_most_of_the_throughput():
+    base = dict(population=16, num_workers=8, mode="async", max_staleness=1)
+    sync = _heavy_tail(PoolConfig(mode="sync", population=16, num_workers=8))
+    paced = _heavy_tail(PoolConfig(paced=True, **base))
+    ms = paced.metrics
+    assert sum(m.dropped + m.cancelled for m in ms) == 0 and paced.coordinator.take_cancelled() == []
+    assert max(max(m.staleness_hist) for m in ms) == 1
+    assert paced.end_time < 0.7 * sync.end_time
 
 
 @settings(max_examples=15, deadline=None)

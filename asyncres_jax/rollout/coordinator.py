@@ -6,8 +6,17 @@ No threads and no clock live here: every call takes `now`, so the same code runs
 Schedules
 - async (max staleness K): a result dispatched at version d and arriving at version v is accepted when
   v - d <= K, else dropped and counted. Admission control keeps the jobs dispatched in total at most
-  (K + v + 1) * N + dropped: without "+ dropped" every drop would eat headroom for good and async would
-  decay into sync (and finally stall).
+  (K + v + 1) * N + dropped + cancelled: without the refund every lost result would eat headroom for good and
+  async would decay into sync (and finally stall).
+  Cancellation (cancel_stale): when a commit makes a running job's result unacceptable (its dispatch version
+  is now more than K behind), the attempt is cancelled at once: the pool tells its worker to stop (at the
+  episode's next turn boundary) instead of finishing work that would only be dropped. It is counted as
+  cancelled, never as dropped, and its worker time as cancelled work.
+  Paced admission (paced): every job dispatched is accepted. Cohort v is the jobs numbered v*N .. v*N + N - 1
+  in dispatch order, whatever order they finish in, and admission keeps the jobs dispatched at most
+  (K + v + 1) * N, so each job lands in a cohort at most K updates after its dispatch: nothing is dropped or
+  cancelled and which results count never depends on job time, at the price of a commit waiting for the
+  stragglers among its own jobs (head-of-line blocking) while later jobs run.
 - barrier schedules (no job of version v + 1 is dispatched before cohort v commits):
   - sync: N jobs per version, all fresh (K = 0).
   - controlled(m, d): members N - m .. N - 1 of every version v are held back and join cohort v + d, so once
@@ -40,7 +49,9 @@ class PoolConfig:
     global_seed: int = 0
     deadline_seconds: float | None = None  # a job running longer is re-issued (same seed) to another worker
     max_attempts: int = 3  # a job failing this often stops the pool with the worker's error
-    refund_dropped: bool = True  # the "+ dropped" in admission control (False only to show why it is needed)
+    refund_dropped: bool = True  # the "+ dropped + cancelled" in admission control (False only to show why)
+    cancel_stale: bool = True  # cancel running jobs that a commit made too stale (False: run them, then drop)
+    paced: bool = False  # async: cohorts in dispatch order, every dispatched job accepted (module docstring)
 
     def __post_init__(self):
         n, w = self.population, self.num_workers
@@ -73,6 +84,9 @@ class PoolConfig:
             raise UserError(f"deadline_seconds={self.deadline_seconds} must be positive (or None for no deadline)")
         if self.max_attempts < 1:
             raise UserError(f"max_attempts={self.max_attempts} must be at least 1")
+        if self.paced and self.mode != "async":
+            raise UserError(f"paced admission applies to mode=async only (mode is {self.mode}); "
+                            "barrier schedules never drop a result")
 
     @property
     def staleness_bound(self) -> int:
@@ -147,6 +161,9 @@ class UpdateMetrics:
     result_wait_mean: float  # seconds a cohort result waited between arriving and being committed
     result_wait_max: float
     in_flight: int
+    cancelled: int = 0  # running jobs cancelled since the previous commit (their results could not be accepted)
+    cancelled_seconds: float = 0.0  # worker time spent on cancelled attempts, up to their stop
+    dropped_seconds: float = 0.0  # worker time spent on results dropped as too stale (part of wasted_seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,10 +213,13 @@ class Coordinator:
         self._next_attempt_id = 0
         self.dispatched = 0  # new jobs (not re-issues)
         self.dropped = 0
+        self.cancelled = 0
         self.draining = False
         self.fatal: BaseException | None = None
         self._live: dict[int, Attempt] = {}  # running attempts whose result we still want
         self._abandoned: dict[int, Attempt] = {}  # timed out: re-issued, but the worker is still busy
+        self._cancelled: dict[int, Attempt] = {}  # cancelled: the worker is busy until it stops
+        self._to_signal: list[Attempt] = []  # cancelled attempts the pool has not told its workers about yet
         self._reissue: collections.deque[tuple[Job, int]] = collections.deque()  # (job, next attempt number)
         # Held-back jobs of a version whose cohort committed before they were started: they keep their
         # dispatch version (and so their exact delay) and go out before any new job.
@@ -207,7 +227,8 @@ class Coordinator:
         self._held_jobs: set[int] = set()
         self._cohort: list[Accepted] = []
         self._held: dict[int, list[Accepted]] = collections.defaultdict(list)  # target version -> results
-        # One entry per attempt: "accepted", "dropped", "failed" or "expired"; "late" is added to `late`.
+        # One entry per attempt: "accepted", "dropped", "cancelled", "failed" or "expired"; a timed-out attempt
+        # that returns after all is added to `late`.
         self.outcomes: dict[int, str] = {}
         self.late: set[int] = set()
         self.dropped_unrun: set[int] = set()  # job ids whose re-issue came too late to be accepted: not rerun
@@ -218,6 +239,9 @@ class Coordinator:
         self._dropped_since = 0
         self._wasted_since = 0.0
         self._reissued_since = 0
+        self._cancelled_since = 0
+        self._cancelled_seconds_since = 0.0
+        self._dropped_seconds_since = 0.0
 
     # ---------------------------------------------------------------- time and occupancy
     def _advance(self, now: float) -> None:
@@ -225,12 +249,12 @@ class Coordinator:
             self._t_last = self._t_commit = now
         if now < self._t_last:
             raise ValueError(f"time went backwards: {now} < {self._t_last}")
-        self._busy += (len(self._live) + len(self._abandoned)) * (now - self._t_last)
+        self._busy += self.busy_workers * (now - self._t_last)
         self._t_last = now
 
     @property
     def busy_workers(self) -> int:
-        return len(self._live) + len(self._abandoned)
+        return len(self._live) + len(self._abandoned) + len(self._cancelled)
 
     @property
     def in_flight(self) -> int:
@@ -250,6 +274,16 @@ class Coordinator:
         """Timed-out attempts whose worker has not returned yet."""
         return len(self._abandoned)
 
+    @property
+    def stopping(self) -> int:
+        """Cancelled attempts whose worker has not stopped yet."""
+        return len(self._cancelled)
+
+    def take_cancelled(self) -> list[Attempt]:
+        """Attempts cancelled since the last call: the pool tells their workers to stop."""
+        out, self._to_signal = self._to_signal, []
+        return out
+
     def unresolved_versions(self) -> set[int]:
         """Dispatch versions of jobs still running or waiting to be re-issued."""
         return ({a.job.dispatch_version for a in self._live.values()}
@@ -265,7 +299,9 @@ class Coordinator:
         c = self.config
         if c.barrier:
             return self._next_member < c.jobs_per_version(self.version)
-        cap = (c.staleness_bound + self.version + 1) * c.population + (self.dropped if c.refund_dropped else 0)
+        cap = (c.staleness_bound + self.version + 1) * c.population
+        if c.refund_dropped and not c.paced:
+            cap += self.dropped + self.cancelled
         return self.dispatched < cap
 
     def _new_job(self) -> Job:
@@ -315,6 +351,11 @@ class Coordinator:
 
     # ---------------------------------------------------------------- results and faults
     def _late_return(self, attempt_id: int, now: float) -> bool:
+        """An attempt that was cancelled or timed out came back (stopped, finished or raised): free its worker."""
+        attempt = self._cancelled.pop(attempt_id, None)
+        if attempt is not None:
+            self._cancelled_seconds_since += now - attempt.start
+            return True
         attempt = self._abandoned.pop(attempt_id, None)
         if attempt is None:
             return False
@@ -329,7 +370,8 @@ class Coordinator:
             raise ValueError(f"attempt {attempt_id} is not running (already reported?)") from None
 
     def on_result(self, attempt_id: int, result: JobResult, now: float) -> Cohort | None:
-        """Account a finished attempt; returns the cohort when this result completes one."""
+        """Account a finished attempt; returns the cohort when this result completes one (a paced coordinator
+        may then have the next one complete as well: see commit_ready)."""
         self._advance(now)
         if self._late_return(attempt_id, now):
             return None  # the job was re-issued after its deadline; this copy is not counted
@@ -343,8 +385,11 @@ class Coordinator:
             self.dropped += 1
             self._dropped_since += 1
             self._wasted_since += work
+            self._dropped_seconds_since += work
             self.outcomes[attempt_id] = "dropped"
             return None
+        elif self.config.paced and job.job_id // self.config.population > self.version:
+            self._held[job.job_id // self.config.population].append(accepted)  # a later cohort's slot
         else:
             self._cohort.append(accepted)
         self.outcomes[attempt_id] = "accepted"
@@ -387,6 +432,23 @@ class Coordinator:
         return expired
 
     # ---------------------------------------------------------------- commit
+    def commit_ready(self, now: float) -> Cohort | None:
+        """The next cohort if it is already complete: with paced admission the results of a later cohort can
+        all be in before a straggler completes the current one. Call after every committed cohort until None."""
+        self._advance(now)
+        return self._maybe_commit(now)
+
+    def _cancel_stale(self) -> None:
+        """After a commit: cancel every running attempt whose result can no longer be accepted."""
+        for attempt in sorted(self._live.values(), key=lambda a: a.attempt_id):
+            if attempt.job.job_id not in self._held_jobs and self._too_stale(attempt.job):
+                del self._live[attempt.attempt_id]
+                self._cancelled[attempt.attempt_id] = attempt
+                self._to_signal.append(attempt)
+                self.outcomes[attempt.attempt_id] = "cancelled"
+                self.cancelled += 1
+                self._cancelled_since += 1
+
     def _maybe_commit(self, now: float) -> Cohort | None:
         c, v = self.config, self.version
         if c.barrier:
@@ -412,18 +474,25 @@ class Coordinator:
             wasted_seconds=self._wasted_since,
             reissued=self._reissued_since,
             busy_seconds=self._busy,
-            utilization=self._busy / (c.num_workers * wall) if wall > 0 else float("nan"),
+            # a commit at the instant of the previous one (paced: a cohort already complete) has no interval
+            utilization=self._busy / (c.num_workers * wall) if wall > 0 else self.busy_workers / c.num_workers,
             accepted_seconds=sum(r.work_seconds for r in results),
             result_wait_mean=float(np.mean(waits)),
             result_wait_max=max(waits),
             in_flight=len(self._live),
+            cancelled=self._cancelled_since,
+            cancelled_seconds=self._cancelled_seconds_since,
+            dropped_seconds=self._dropped_seconds_since,
         )
         self.version += 1
         self._next_member = 0
-        self._cohort = []
+        self._cohort = self._held.pop(self.version, []) if c.paced else []
         self._t_commit = now
         self._busy = 0.0
         self._dropped_since, self._wasted_since, self._reissued_since = 0, 0.0, 0
+        self._cancelled_since, self._cancelled_seconds_since, self._dropped_seconds_since = 0, 0.0, 0.0
+        if c.cancel_stale:
+            self._cancel_stale()
         return Cohort(v, tuple(results), metrics)
 
     # ---------------------------------------------------------------- drain and checkpoints
@@ -435,7 +504,8 @@ class Coordinator:
         """Hand out new jobs again. Given `now`, the time the drained coordinator sat idle (the trainer's checkpoint
         and held-out evaluation) is left out of the current update's wall clock: it is not the workers' idleness."""
         self.draining = False
-        if now is not None and self._t_last is not None and self.quiescent and not self._abandoned:
+        if now is not None and self._t_last is not None and self.quiescent and not self._abandoned \
+                and not self._cancelled:
             self._t_commit += now - self._t_last
             self._t_last = now
 
@@ -451,6 +521,7 @@ class Coordinator:
         return {
             "version": self.version, "next_member": self._next_member, "next_job_id": self._next_job_id,
             "next_attempt_id": self._next_attempt_id, "dispatched": self.dispatched, "dropped": self.dropped,
+            "cancelled": self.cancelled,
             "cohort": [enc(r) for r in self._cohort],
             "held": {str(k): [enc(r) for r in rs] for k, rs in self._held.items() if rs},
         }
@@ -462,8 +533,10 @@ class Coordinator:
         self.version, self._next_member = int(state["version"]), int(state["next_member"])
         self._next_job_id, self._next_attempt_id = int(state["next_job_id"]), int(state["next_attempt_id"])
         self.dispatched, self.dropped = int(state["dispatched"]), int(state["dropped"])
+        self.cancelled = int(state.get("cancelled", 0))  # absent from checkpoints written before cancellation
         self._cohort = [dec(d) for d in state["cohort"]]
         self._held = collections.defaultdict(list, {int(k): [dec(d) for d in rs] for k, rs in state["held"].items()})
         self._live.clear(), self._abandoned.clear(), self._reissue.clear(), self._carry.clear()
+        self._cancelled.clear(), self._to_signal.clear()
         self._held_jobs.clear()
         self._t_last = self._t_commit = None

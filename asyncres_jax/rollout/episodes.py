@@ -20,7 +20,7 @@ import numpy as np
 
 from asyncres_jax.envs.sandbox import OUTPUT_CAP, Backend, Grade, Sandbox
 from asyncres_jax.errors import UserError
-from asyncres_jax.rollout import protocol
+from asyncres_jax.rollout import cancel, protocol
 
 if TYPE_CHECKING:
     from asyncres_jax.envs.task import Task
@@ -311,7 +311,8 @@ def run_episodes(
     """Play one episode per task, all in one batch; results in the order of `tasks`.
 
     `clock` (seconds) decides the episode time limit and the timings; tests pass a fake one. Every sandbox this
-    starts is closed before it returns or raises.
+    starts is closed before it returns or raises, including when the job is cancelled (rollout.cancel: checked
+    at every turn boundary, raising Cancelled).
     """
     cfg = episode_cfg
     if not tasks:
@@ -337,6 +338,7 @@ def run_episodes(
             ep.t0, ep.generate_s = t0, begin_s
         live = list(range(len(eps)))
         while live:
+            cancel.check("episode batch")  # a turn boundary: stop here if the pool cancelled the job
             t = clock()
             replies = batch.step(live, [eps[i].pending for i in live])
             gen_s = clock() - t

@@ -8,7 +8,9 @@ pool lock: other workers keep reporting results meanwhile (judged against the ne
 new version starts before its parameters are published.
 
 Python cannot kill a thread: a job that passes its deadline is re-issued to another worker, and its own
-worker rejoins the pool when job_fn finally returns (episodes have their own wall-clock limits).
+worker rejoins the pool when job_fn finally returns (episodes have their own wall-clock limits). A job the
+coordinator cancels (a commit made its result unacceptable) gets its cancel event set: job_fn runs inside
+rollout.cancel.scope, the episode runner stops at its next turn boundary, and the worker takes a new job.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from asyncres_jax.rollout import cancel
 from asyncres_jax.rollout.coordinator import Attempt, Cohort, Coordinator, Job, JobResult, UpdateMetrics
 from asyncres_jax.rollout.store import ParamStore
 
@@ -75,6 +78,7 @@ class RolloutPool:
         # Master params of every version that still has unresolved jobs: a re-issued job runs on the weights
         # of its dispatch version, which may no longer be the store's current one.
         self._params_at: dict[int, Params] = {}
+        self._cancel_events: dict[int, threading.Event] = {}  # attempt id -> set when the coordinator cancels it
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "RolloutPool":
@@ -160,6 +164,7 @@ class RolloutPool:
                     version, params = self.store.snapshot()
                     if v == version:
                         self._params_at[v] = params
+                    self._cancel_events[attempt.attempt_id] = threading.Event()
                     return attempt, self._params_at[v]
                 if self.coordinator.fatal is not None:
                     self._error = self._error or self.coordinator.fatal
@@ -191,18 +196,26 @@ class RolloutPool:
                 attempt, master = got
                 try:
                     params = self._sync(replica, attempt.job.dispatch_version, master)
-                    result = self.job_fn(attempt.job, params)
-                except Exception as e:  # the job failed: re-issue it, keep the worker
+                    with cancel.scope(self._cancel_events[attempt.attempt_id]):
+                        result = self.job_fn(attempt.job, params)
+                except Exception as e:  # failed (re-issued) or cancelled (accounted as such); keep the worker
                     with self._cond:
+                        del self._cancel_events[attempt.attempt_id]
                         self.coordinator.on_failure(attempt.attempt_id, e, self.clock())
                         self._cond.notify_all()
                     continue
                 with self._cond:
-                    cohort = self.coordinator.on_result(attempt.attempt_id, result, self.clock())
-                    if cohort is not None:
+                    del self._cancel_events[attempt.attempt_id]
+                    now = self.clock()
+                    cohort = self.coordinator.on_result(attempt.attempt_id, result, now)
+                    committed = cohort is not None
+                    while cohort is not None:  # paced admission can complete the next cohort as well
                         self._pending.append(cohort)
+                        cohort = self.coordinator.commit_ready(now)
+                    for stale in self.coordinator.take_cancelled():
+                        self._cancel_events[stale.attempt_id].set()
                     self._cond.notify_all()
-                if cohort is not None:
+                if committed:
                     self._publish()
         except BaseException as e:  # a bug in the pool, store or on_commit: stop everything, report it
             self._fail(e)

@@ -16,7 +16,9 @@ Weight sync, per job: an actor at version a running a job dispatched at version 
 - "copy": the master parameters of version d through Ray's object store (ray.put once per version, numpy).
 An actor that dies (RayActorError) has its attempt re-issued by the coordinator (same seed), and a
 replacement actor starts from `build()` (the trainer's restores the run's latest checkpoint) and is brought
-to each job's version from the log like any other actor.
+to each job's version from the log like any other actor. A job the coordinator cancels (too stale to be
+accepted) is told so through the actor's cancel() (actors run two threads: the job and that call); the
+episode runner stops at its next turn boundary and the actor is free for a new job.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from asyncres_jax.errors import UserError
+from asyncres_jax.rollout import cancel
 from asyncres_jax.rollout.coordinator import Attempt, Cohort, Coordinator, Job, JobResult, UpdateMetrics
 from asyncres_jax.rollout.pool import RolloutPool
 from asyncres_jax.rollout.store import ParamStore
@@ -114,6 +117,7 @@ class ReplicaActor:
             for k, v in spec.jax_config.items():
                 jax.config.update(k, v)
         self._state, self.version, self.params, self._error = None, None, None, None
+        self._running_job, self._cancel = None, threading.Event()
         try:  # kept, not raised: Ray would report only a traceback's text, and a UserError must stay one line
             s = spec.build()
             self._state, self.version, self.params = s, s.version, s.params
@@ -145,10 +149,19 @@ class ReplicaActor:
             params = s.place(payload)
             if v >= self.version:  # an older version (a re-issued stale job) is used once, not kept
                 self.params, self.version = params, v
+        self._running_job, self._cancel = job.job_id, threading.Event()
         try:
-            return self.version, s.job_fn(job, params), None
-        except Exception as e:  # reported to the coordinator, which re-issues the job
+            with cancel.scope(self._cancel):
+                return self.version, s.job_fn(job, params), None
+        except Exception as e:  # reported to the coordinator (re-issued, or counted as cancelled)
             return self.version, None, e if _picklable(e) else RuntimeError(repr(e))
+        finally:
+            self._running_job = None
+
+    def cancel(self, job_id: int) -> None:
+        """Stop the running job at its next turn boundary, if it is still `job_id` (runs beside run())."""
+        if self._running_job == job_id:
+            self._cancel.set()
 
     def close(self) -> None:
         if self._state is not None:
@@ -171,7 +184,7 @@ _REMOTE = None
 def _remote_actor_class():
     global _REMOTE
     if _REMOTE is None:
-        _REMOTE = import_ray().remote(max_restarts=0, max_concurrency=1)(ReplicaActor)
+        _REMOTE = import_ray().remote(max_restarts=0, max_concurrency=2)(ReplicaActor)
     return _REMOTE
 
 
@@ -408,9 +421,22 @@ class RayRolloutPool:
                 cohort = None
             else:
                 cohort = self.coordinator.on_result(attempt.attempt_id, result, self.clock())
+            cohorts = []
+            while cohort is not None:  # paced admission can complete the next cohort as well
+                cohorts.append(cohort)
+                cohort = self.coordinator.commit_ready(self.clock())
+            self._signal_cancelled()
             self._cond.notify_all()
-        if cohort is not None:
+        for cohort in cohorts:
             self._commit(cohort)
+
+    def _signal_cancelled(self) -> None:
+        """Tell the actors running cancelled attempts to stop (fire and forget: the run() call still returns)."""
+        for stale in self.coordinator.take_cancelled():
+            slot = next((s for s in self.slots if s.attempt is not None
+                         and s.attempt.attempt_id == stale.attempt_id), None)
+            if slot is not None:
+                slot.handle.cancel.remote(stale.job.job_id)
 
     def _commit(self, cohort: Cohort) -> None:
         """The learner step; no job of the new version starts before it is published (the loop is one thread)."""

@@ -2,6 +2,10 @@
 pool, with job durations from a function instead of real work. Deterministic: events are ordered by
 (time, sequence number) and durations depend only on the job and attempt number.
 
+A cancelled attempt (its result can no longer be accepted) frees its worker at its next turn boundary: at once
+when `turn_seconds` is None, else at the next multiple of `turn_seconds` after its start (or when it would have
+ended anyway, if that is sooner).
+
 Used by the property tests and by `bench pool` as the scheduling-theory reference.
 """
 
@@ -9,14 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from typing import Callable
 
+from asyncres_jax.rollout.cancel import Cancelled
 from asyncres_jax.rollout.coordinator import Attempt, Cohort, Coordinator, Job, JobResult, PoolConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """What one attempt does: run for `seconds`, then return a result ("ok") or raise ("raise")."""
+    """What one attempt does: run for `seconds`, then return a result ("ok") or raise ("raise"); "stop" is a
+    cancelled attempt stopping at a turn boundary."""
 
     seconds: float
     kind: str = "ok"
@@ -48,6 +55,7 @@ def simulate(
     fitness: Callable[[Job], float] = _default_fitness,
     on_commit: Callable[[Cohort], None] | None = None,
     max_events: int = 1_000_000,
+    turn_seconds: float | None = None,
 ) -> SimRun:
     coord = Coordinator(config, member_seed=member_seed or (lambda g, v, i: (g * 1_000_003 + v) * 10_007 + i))
     events: list[tuple[float, int, int, Attempt, Outcome]] = []  # (time, seq, worker, attempt, outcome)
@@ -55,6 +63,20 @@ def simulate(
     seq, now = 0, 0.0
     cohorts: list[Cohort] = []
     dispatches: list[Attempt] = []
+    ends: dict[int, float] = {}  # attempt id -> when its scheduled event fires
+    stopped: set[int] = set()  # cancelled attempts whose original event was replaced by a "stop" event
+
+    def stop_cancelled():
+        nonlocal seq
+        for attempt in coord.take_cancelled():
+            t = now
+            if turn_seconds is not None:
+                t = attempt.start + math.ceil((now - attempt.start) / turn_seconds) * turn_seconds
+            if t < ends[attempt.attempt_id]:
+                worker = next(e[2] for e in events if e[3].attempt_id == attempt.attempt_id)
+                heapq.heappush(events, (t, seq, worker, attempt, Outcome(t - attempt.start, "stop")))
+                seq += 1
+                stopped.add(attempt.attempt_id)
 
     def fill():
         nonlocal seq
@@ -65,6 +87,7 @@ def simulate(
             out = duration(attempt.job, attempt.number)
             out = out if isinstance(out, Outcome) else Outcome(float(out))
             heapq.heappush(events, (now + out.seconds, seq, idle.pop(0), attempt, out))
+            ends[attempt.attempt_id] = now + out.seconds
             seq += 1
             dispatches.append(attempt)
 
@@ -81,14 +104,20 @@ def simulate(
         if not events:
             return SimRun(coord, cohorts, dispatches, now, stalled=True)
         now, _, worker, attempt, out = heapq.heappop(events)
+        if attempt.attempt_id in stopped and out.kind != "stop":
+            continue  # the cancelled attempt already stopped; its worker is busy with another job
         if out.kind == "raise":
             coord.on_failure(attempt.attempt_id, RuntimeError("simulated worker failure"), now)
+        elif out.kind == "stop":
+            coord.on_failure(attempt.attempt_id, Cancelled("simulated cancellation"), now)
         else:
             cohort = coord.on_result(attempt.attempt_id, JobResult(fitness(attempt.job)), now)
-            if cohort is not None:
+            while cohort is not None:
                 cohorts.append(cohort)
                 if on_commit is not None:
                     on_commit(cohort)
+                cohort = coord.commit_ready(now) if coord.version < num_updates else None
+            stop_cancelled()
         idle.append(worker)
         idle.sort()  # the lowest free worker takes the next job: deterministic
         fill()
