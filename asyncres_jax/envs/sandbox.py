@@ -9,7 +9,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
+
+from asyncres_jax.errors import UserError
 
 if TYPE_CHECKING:
     from asyncres_jax.envs.task import Task
@@ -36,13 +38,30 @@ class CommandResult:
     seconds: float
 
 
+def pick_reward(rewards: Mapping[str, float]) -> float:
+    """The default reward among a verifier's named metrics: `reward` when present, else their mean."""
+    if "reward" in rewards:
+        return float(rewards["reward"])
+    return sum(rewards.values()) / len(rewards)
+
+
 @dataclasses.dataclass(frozen=True)
 class Grade:
-    reward: int  # 1 if the task's final-state tests pass, else 0
+    reward: float  # 1 if the task's tests pass, else 0; with a reward.json, its metric pick_reward chooses
     partial: float  # fraction of final-state tests that passed (0.0 when none ran)
     passed: int
     total: int
     log: str
+    rewards: Mapping[str, float] = dataclasses.field(default_factory=dict)  # every metric the verifier wrote
+
+    def metric(self, key: str = "") -> float:
+        """The reward training uses: the verifier's metric `key` when it wrote one, else `reward`."""
+        return float(self.rewards[key]) if key and key in self.rewards else float(self.reward)
+
+
+class SandboxStartError(UserError):
+    """A task's environment could not be built or started: that task's error (an infrastructure or task
+    problem), never the policy's failure, so never a reward of 0."""
 
 
 class Sandbox(abc.ABC):
