@@ -76,6 +76,8 @@ class EpisodeSection:
     temperature: float = opt(0.6, "sampling temperature (0 = greedy)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
     fitness: str = opt("binary", "per-episode score: binary (tests pass) or partial (fraction of tests)")
+    reward_key: str = opt("", "the verifier's reward.json metric taken as the reward (empty: `reward` if "
+                              "written, else the mean of its metrics)")
     first_reply_prefix: str = opt("", "text every episode's first reply starts with, e.g. '<command>' (steers a "
                                       "small model that ignores the tag format into running a command)")
     command_per_line: bool = opt(False, "scaffold for small models: every reply is '<command>' (given) + one "
