@@ -646,7 +646,7 @@ def _root_binds(d: pathlib.Path, roots) -> list[str]:
 
 
 def _one_line(text: str) -> str:
-    return " | ".join(ln.strip() for ln in text.splitlines() if ln.strip())
+    return " | ".join(ln.strip() for ln in text.replace(":\n", ": ").splitlines() if ln.strip())
 
 
 def _explain(tail: str) -> str:
