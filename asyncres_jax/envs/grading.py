@@ -115,20 +115,22 @@ def parse_grade(output: str) -> Grade:
         reward = 1 if status == 0 and total > 0 else 0
         return Grade(reward=reward, partial=partial, passed=passed, total=total, log=output)
     rewards, problem = _reward_json(output[: m.start()])
-    if problem:
-        output += f"\n[grader: {problem}: reward 0]"
+    if problem:  # a reward file that cannot be read is not a pass
+        return Grade(reward=0, partial=partial, passed=passed, total=total, log=output + f"\n[grader: {problem}]")
     try:
         txt = float(reward_text) if reward_text else None
     except ValueError:
         txt = None
-    if txt is not None and txt == txt:
+    if txt is None or txt != txt:  # no number in reward.txt (or NaN)
+        if not rewards:
+            return Grade(reward=0, partial=partial, passed=passed, total=total, log=output)
+    elif not rewards:  # reward.txt alone: 1 when it says >= 1
+        return Grade(reward=1 if txt >= 1.0 else 0, partial=partial, passed=passed, total=total, log=output,
+                     rewards={"reward": txt})
+    else:
         rewards.setdefault("reward", txt)
-    if not rewards or problem:
-        return Grade(reward=0, partial=partial, passed=passed, total=total, log=output, rewards=rewards)
-    reward = pick_reward(rewards)
-    if reward_text and "reward" in rewards and len(rewards) == 1:  # reward.txt alone: 1 when it says >= 1
-        reward = 1 if reward >= 1.0 else 0
-    return Grade(reward=reward, partial=partial, passed=passed, total=total, log=output, rewards=rewards)
+    return Grade(reward=pick_reward(rewards), partial=partial, passed=passed, total=total, log=output,
+                 rewards=rewards)
 
 
 # --- offline stand-ins for the network tools Endless Terminals' test.sh files call --------------------------
