@@ -7,7 +7,6 @@ All of them run in one xdist worker (group "docker") and share one backend and o
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import pathlib
 import shutil
 import signal

@@ -18,7 +18,8 @@ import sys
 import pytest
 
 from asyncres_jax.envs.task import load_task
-from bwrap_support import backend as bwrap_backend, bwrap_or_skip  # noqa: F401  (module-scoped fixture)
+from bwrap_support import backend as bwrap_backend  # noqa: F401  (module-scoped fixture)
+from bwrap_support import bwrap_or_skip
 from docker_support import require_engine
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "harbor"
@@ -117,8 +118,9 @@ def test_docker_runs_as_the_image_says_unless_task_toml_overrides(tmp_path):
         f.write('user = "nobody"\nworkdir = "/tmp"\n')  # appended to the [environment] table
     with DockerBackend() as backend:
         seen = {}
-        for name, task in (("root", load_task(FIXTURES / "root-app")), ("builder", load_task(FIXTURES / "nonroot-user")),
-                           ("nobody", load_task(override))):
+        for name, path in (("root", FIXTURES / "root-app"), ("builder", FIXTURES / "nonroot-user"),
+                           ("nobody", override)):
+            task = load_task(path)
             with backend.start(task) as sb:
                 seen[name] = sb.run("id -un; pwd; echo $HOME").output.split()
     assert seen == {"root": ["root", "/app", "/root"], "builder": ["builder", "/home/builder", "/home/builder"],

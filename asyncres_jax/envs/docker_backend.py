@@ -403,8 +403,8 @@ class DockerBackend(Backend):
                 tail = " | ".join(str(x.get("stream", x.get("error", ""))).strip() for x in list(e.build_log)[-4:])
                 msg = " ".join(str(e.msg).split())
                 raise SandboxStartError(f"building the image of task {task.name} failed: {msg}; last output: "
-                                f"{' '.join(tail[-400:].split())}; fix {task.environment_dir}/Dockerfile (or set base-image "
-                                f"aliases in ${ALIASES_ENV} on an offline machine)") from None
+                                        f"{' '.join(tail[-400:].split())}; fix {task.environment_dir}/Dockerfile "
+                                        f"(or set base-image aliases in ${ALIASES_ENV} offline)") from None
             except docker.errors.APIError as e:
                 raise SandboxStartError(f"building the image of task {task.name} failed: "
                                         f"{' '.join(str(e.explanation or e).split())}") from None
