@@ -125,3 +125,21 @@ def test_docker_runs_as_the_image_says_unless_task_toml_overrides(tmp_path):
                 seen[name] = sb.run("id -un; pwd; echo $HOME").output.split()
     assert seen == {"root": ["root", "/app", "/root"], "builder": ["builder", "/home/builder", "/home/builder"],
                     "nobody": ["nobody", "/tmp", "/nonexistent"]}
+
+
+def test_a_check_that_breaks_anywhere_is_that_tasks_error_line():
+    """Any failure while checking one task (the engine's, the sandbox's) is reported with that task; the
+    others are scored."""
+    from asyncres_jax.envs.check import check_tasks
+    from asyncres_jax.envs.sandbox import Backend
+
+    class Unreachable(Backend):
+        name = "unreachable"
+
+        def start(self, task):
+            raise ConnectionError(f"engine went away while starting {task.name}")
+
+    tasks = [load_task(FIXTURES / name) for name in ("root-app", "multi-metric")]
+    records = list(check_tasks(Unreachable(), tasks, workers=2, oracle=True))
+    assert [(r["task"], "reward" in r) for r in records] == [("root-app", False), ("multi-metric", False)]
+    assert records[0]["error"] == "ConnectionError: engine went away while starting root-app"
