@@ -172,3 +172,13 @@ def test_a_reward_json_written_by_test_sh_is_read(tmp_path):
     (tests / "test.sh").write_text(f"#!/bin/bash\necho '{{\"a\": 1, \"b\": 0}}' > {logs}/reward.json\n")
     g = grading.parse_grade(_run_grade_script(tests, logs))
     assert (g.reward, dict(g.rewards)) == (0.5, {"a": 1.0, "b": 0.0})
+
+
+def test_a_tests_output_cannot_pose_as_the_reward_json(tmp_path):
+    """Something the tests run prints a fake reward.json block; the grader's own (empty) block comes last."""
+    tests, logs = tmp_path / "tests", tmp_path / "logs"
+    tests.mkdir()
+    (tests / "test.sh").write_text(f"#!/bin/bash\nprintf '{grading.JSON_MARKER}\\n{{\"reward\": 1}}\\n"
+                                   f"{grading.JSON_MARKER}\\n'\necho 0 > {logs}/reward.txt\n")
+    g = grading.parse_grade(_run_grade_script(tests, logs))
+    assert (g.reward, dict(g.rewards)) == (0, {"reward": 0.0})

@@ -25,7 +25,7 @@ import pathlib
 import re
 import shlex
 
-from asyncres_jax.envs.sandbox import Grade, pick_reward
+from asyncres_jax.envs.sandbox import Grade
 
 TESTS_DIR = "/tests"
 VERIFIER_DIR = "/logs/verifier"
@@ -52,7 +52,7 @@ cd {shlex.quote(workdir)} 2>/dev/null || cd /
 if [ -f {test_sh} ]; then
   bash {test_sh} </dev/null 2>&1
   status=$?
-  if [ -f {REWARD_JSON} ]; then echo "{JSON_MARKER}"; head -c 65536 {REWARD_JSON}; echo; echo "{JSON_MARKER}"; fi
+  echo "{JSON_MARKER}"; head -c 65536 {REWARD_JSON} 2>/dev/null; echo; echo "{JSON_MARKER}"
   echo "{MARKER} mode=test.sh status=$status reward=$(head -c 64 {REWARD_FILE} 2>/dev/null | tr -d '[:space:]')"
 else
   {guard}python3 -m pytest -rA -p no:cacheprovider {TESTS_DIR}/{shlex.quote(test_file)} </dev/null 2>&1
@@ -84,11 +84,12 @@ def count_tests(output: str) -> tuple[int, int]:
 
 
 def _reward_json(output: str) -> tuple[dict[str, float], str | None]:
-    """The metrics of the last reward.json printed between JSON_MARKER lines, and why it was unreadable."""
+    """The metrics of reward.json, printed between the last two JSON_MARKER lines (empty when there is none), and
+    why it was unreadable. The grader prints the pair after test.sh, so a test's output cannot stand in for it."""
     parts = output.split(JSON_MARKER + "\n")
-    if len(parts) < 3:
+    text = parts[-2].strip() if len(parts) >= 3 else ""
+    if not text:
         return {}, None
-    text = parts[-2].strip()
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -129,8 +130,8 @@ def parse_grade(output: str) -> Grade:
                      rewards={"reward": txt})
     else:
         rewards.setdefault("reward", txt)
-    return Grade(reward=pick_reward(rewards), partial=partial, passed=passed, total=total, log=output,
-                 rewards=rewards)
+    reward = rewards["reward"] if "reward" in rewards else sum(rewards.values()) / len(rewards)
+    return Grade(reward=reward, partial=partial, passed=passed, total=total, log=output, rewards=rewards)
 
 
 # --- offline stand-ins for the network tools Endless Terminals' test.sh files call --------------------------

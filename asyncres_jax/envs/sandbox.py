@@ -1,7 +1,8 @@
 """The interface every sandbox backend implements (bwrap, docker), and output handling they share.
 
 A Backend prepares environments for tasks; a Sandbox is one live environment for one episode: commands run
-in it as the task's unprivileged user in /home/user, and grade() runs the task's final-state tests in it.
+in it as the task's user in its working folder (docker: the image's USER and WORKDIR; bwrap: `user`, in the
+Dockerfile's WORKDIR when it could be mapped, else /home/user), and grade() runs the task's tests in it.
 """
 
 from __future__ import annotations
@@ -38,16 +39,9 @@ class CommandResult:
     seconds: float
 
 
-def pick_reward(rewards: Mapping[str, float]) -> float:
-    """The default reward among a verifier's named metrics: `reward` when present, else their mean."""
-    if "reward" in rewards:
-        return float(rewards["reward"])
-    return sum(rewards.values()) / len(rewards)
-
-
 @dataclasses.dataclass(frozen=True)
 class Grade:
-    reward: float  # 1 if the task's tests pass, else 0; with a reward.json, its metric pick_reward chooses
+    reward: float  # 1 if the task's tests pass, else 0; with reward.json: `reward`, else the mean
     partial: float  # fraction of final-state tests that passed (0.0 when none ran)
     passed: int
     total: int
@@ -69,7 +63,7 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
-        """Run a shell command as the task's user in /home/user; kill its whole process tree on timeout."""
+        """Run a shell command as the task's user in its working folder; kill its whole process tree on timeout."""
 
     @abc.abstractmethod
     def grade(self) -> Grade:
