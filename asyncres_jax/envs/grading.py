@@ -295,9 +295,9 @@ esac
 exit 0
 """
 
-_CTRF_PLUGIN = '''"""Loaded into every pytest the grader runs: hands the task's tests the environment without the grader's
-variables (programs they start must not inherit them), and accepts pytest-json-ctrf's --ctrf option when that
-plugin is not installed (offline sandboxes)."""
+_CTRF_PLUGIN = '''"""Loaded into every pytest the grader runs: hands the task's tests the environment without
+the grader's variables (programs they start must not inherit them), and accepts pytest-json-ctrf's --ctrf
+option when that plugin is not installed (offline sandboxes)."""
 import importlib.util
 import os
 
@@ -319,7 +319,8 @@ _restore_environment()
 
 if importlib.util.find_spec("pytest_jsonctrf") is None:
     def pytest_addoption(parser):
-        parser.addoption("--ctrf", action="store", default=None, help="ignored: pytest-json-ctrf is not installed")
+        parser.addoption("--ctrf", action="store", default=None,
+                         help="ignored: pytest-json-ctrf is not installed")
 '''
 
 SHIM_NAMES = ("uvx", "uv", "pip", "pip3", "apt-get", "apt", "curl", "python", "python3", "pytest", "py.test")
