@@ -76,6 +76,10 @@ class EpisodeSection:
     temperature: float = opt(0.6, "sampling temperature (0 = greedy)")
     top_p: float = opt(1.0, "nucleus sampling threshold")
     fitness: str = opt("binary", "per-episode score: binary (tests pass) or partial (fraction of tests)")
+    reward_key: str = opt("", "the verifier's reward.json metric taken as the reward (empty: `reward` if "
+                              "written, else the mean of its metrics)")
+    start_retries: int = opt(2, "more tries for a sandbox that fails to start; then the episode is left out "
+                                "of the fitness and counted (start_errors)")
     first_reply_prefix: str = opt("", "text every episode's first reply starts with, e.g. '<command>' (steers a "
                                       "small model that ignores the tag format into running a command)")
     command_per_line: bool = opt(False, "scaffold for small models: every reply is '<command>' (given) + one "
@@ -84,6 +88,7 @@ class EpisodeSection:
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "episode_timeout_s", "command_timeout_s"):
             _positive("episode", name, getattr(self, name))
+        _positive("episode", "start_retries", self.start_retries, allow_zero=True)
         _positive("episode", "temperature", self.temperature, allow_zero=True)
         if not 0 < self.top_p <= 1:
             raise UserError(f"episode.top_p={self.top_p} is not valid; it must be in (0, 1]")

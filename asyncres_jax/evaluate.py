@@ -178,13 +178,16 @@ def run_evaluation(policy, tasks: Sequence[Any], backend, episode_cfg, seeds: Se
 
     from asyncres_jax.rollout.episodes import format_transcript, run_episodes
 
-    out, texts = [], []
+    out, texts, start_errors = [], [], []
     bar = tqdm(total=len(seeds) * len(tasks), desc="evaluating", unit="episode", file=sys.stderr, leave=False,
                disable=not progress, ascii=not sys.stderr.isatty())
     for s in seeds:
         for i in range(0, len(tasks), batch_size):
             chunk = tasks[i:i + batch_size]
             for task, r in zip(chunk, run_episodes(policy, chunk, backend, episode_cfg, seed=int(s) * 1_000_003 + i)):
+                if r.error is not None:  # its sandbox never started: no outcome of the policy's, left out
+                    start_errors.append(f"{r.task_id}: {r.error}")
+                    continue
                 tokens = int(np.sum(r.tokens.generated_mask)) if r.tokens is not None else 0
                 out.append(EpisodeOutcome(r.task_id, task.family, task.difficulty, int(s), float(r.reward),
                                           float(r.partial), r.turns, tokens, r.end))
@@ -192,6 +195,9 @@ def run_evaluation(policy, tasks: Sequence[Any], backend, episode_cfg, seeds: Se
                     texts.append(format_transcript(r))
             bar.update(len(chunk))
     bar.close()
+    if start_errors:
+        print(f"warning: {len(start_errors)} episodes could not start and are left out of the evaluation; first: "
+              f"{start_errors[0]}", file=sys.stderr)
     if transcripts is not None and texts:
         transcripts.parent.mkdir(parents=True, exist_ok=True)
         transcripts.write_text("\n\n".join(texts) + "\n")

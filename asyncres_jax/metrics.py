@@ -75,6 +75,7 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
         # generated tokens of the cohort per second of the update's wall clock (all workers together)
         "tokens_per_second": float(totals.get("tokens", 0) / metrics.wall_seconds) if metrics.wall_seconds else 0.0,
         "successes": int(totals.get("successes", 0)),
+        "start_errors": int(totals.get("start_errors", 0)),  # episodes whose sandbox never started: not scored
     }
 
 

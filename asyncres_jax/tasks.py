@@ -8,7 +8,9 @@
                                                play a scripted episode, print the transcript and reward
 
 DIR may be one task directory or a dataset folder of them. `check` exits 1 when a task scores other than
-expected (1 with --oracle, 0 with --noop) or its initial-state tests fail.
+expected (1 with --oracle, 0 with --noop) or its initial-state tests fail, and 3 when some task could not be
+checked at all (its image did not build, its container did not start, it has no oracle): such a task's line
+carries "error" and no reward, and the other tasks are still checked.
 """
 
 from __future__ import annotations
@@ -86,21 +88,24 @@ def cmd_check(args) -> int:
 
     tasks = _tasks_of(args.dirs, args.split)
     want = 1 if args.oracle else 0
-    bad = 0
+    bad = errors = 0
     with make_backend(args.backend) as backend:
         for rec in check_tasks(backend, tasks, workers=args.workers, oracle=args.oracle, initial=args.initial):
-            ok = rec["reward"] == want and rec.get("initial", 1) == 1 and "error" not in rec
-            bad += not ok
+            errors += "error" in rec
+            ok = "error" not in rec and rec["reward"] == want and rec.get("initial", 1) == 1
+            bad += not ok and "error" not in rec
             if args.json:
                 print(json.dumps(rec), flush=True)
+            elif "error" in rec:
+                print(f"ERR {rec['task']}  {rec['error']}", flush=True)
             else:
                 extra = f"  initial={rec['initial']}" if "initial" in rec else ""
-                note = f"  {rec['error']}" if "error" in rec else ""
-                print(f"{'ok ' if ok else 'BAD'} {rec['task']}  reward={rec['reward']} partial={rec['partial']:.2f}"
-                      f"{extra}  {rec.get('seconds', 0):.2f}s{note}", flush=True)
+                print(f"{'ok ' if ok else 'BAD'} {rec['task']}  reward={rec['reward']:g} partial={rec['partial']:.2f}"
+                      f"{extra}  {rec.get('seconds', 0):.2f}s", flush=True)
     if not args.json:
-        print(f"{len(tasks) - bad}/{len(tasks)} tasks as expected", file=sys.stderr)
-    return 1 if bad else 0
+        print(f"{len(tasks) - bad - errors}/{len(tasks)} tasks as expected, {errors} could not be checked",
+              file=sys.stderr)
+    return 3 if errors else 1 if bad else 0
 
 
 # --- list -------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from asyncres_jax.envs import bwrap
 from asyncres_jax.envs.dockerfile import expand, parse_dockerfile, parse_env
+from asyncres_jax.envs.sandbox import SandboxStartError
 from asyncres_jax.envs.task import load_task
 from asyncres_jax.errors import UserError
 from bwrap_support import backend  # noqa: F401  (the shared module-scoped fixture)
@@ -133,15 +134,36 @@ def test_setup_script_is_preferred(backend, tmp_path):
 @pytest.mark.bwrap
 @pytest.mark.parametrize("dockerfile, named", [
     ("FROM ubuntu:22.04\nRUN echo ok\nRUN mkdir -p /opt/app && echo x > /opt/app/y\n",
-     r"(?s)line 3 \(RUN mkdir -p /opt/app.*can only write under /home/user and /tmp"),
+     r"(?s)line 3 \(RUN mkdir -p /opt/app.*can only write under /home/user, /tmp and new top-level folders"),
     ("FROM ubuntu:22.04\nRUN apt-get update && apt-get install -y python3 asyncres-no-such-pkg\n",
      r"(?s)line 2 .*apt package 'asyncres-no-such-pkg' is not installed on the host"),
     ("FROM ubuntu:22.04\nRUN pip3 install pytest asyncres_no_such_module==1.0\n",
      r"(?s)line 2 .*pip package 'asyncres_no_such_module' is not installed on the host"),
-    ("FROM ubuntu:22.04\nCOPY app.py /app/app.py\n", r"line 2 \(COPY app.py /app/app.py\) writes to /app/app.py"),
-    ("FROM ubuntu:22.04\nWORKDIR /srv/app\n", r"line 2 \(WORKDIR /srv/app\) writes to /srv/app"),
+    ("FROM ubuntu:22.04\nCOPY app.py /usr/local/bin/app.py\n",
+     r"line 2 \(COPY app.py /usr/local/bin/app.py\) writes to /usr/local/bin/app.py, a system folder"),
+    ("FROM ubuntu:22.04\nWORKDIR /etc/app\n", r"line 2 \(WORKDIR /etc/app\) writes to /etc/app"),
 ])
 def test_impossible_steps_are_clear_errors_naming_the_step(backend, tmp_path, dockerfile, named):
     t = make_task(tmp_path, "bad", dockerfile, files={"app.py": "print(1)\n"})
-    with pytest.raises(UserError, match=named):
+    with pytest.raises(SandboxStartError, match=named) as e:
         backend.start(t)
+    assert "\n" not in str(e.value)  # one line, as a JSON line or a log line carries it
+
+
+@pytest.mark.bwrap
+def test_new_top_level_folders_become_writable_trees(backend, tmp_path):
+    """Harbor's WORKDIR /app, COPY into it and another user's home: prepared like /home/user, and the agent
+    and the verifier start in the WORKDIR; HOME stays /home/user."""
+    t = make_task(tmp_path, "app", """\
+        FROM ubuntu:22.04
+        RUN mkdir -p /app/data && echo seed > /app/data/seed.txt
+        COPY app.py /app/
+        COPY app.py /home/app/copy.py
+        WORKDIR /app
+        RUN echo "built in $(pwd)" > built.txt
+        """, files={"app.py": "print(1)\n"})
+    with backend.start(t) as a, backend.start(t) as b:
+        r = a.run("pwd; cat built.txt data/seed.txt; python3 app.py; ls /home/app; echo $HOME; echo mine > out.txt")
+        assert r.output == "/app\nbuilt in /app\nseed\n1\ncopy.py\n/home/user\n", r.output
+        assert b.run("ls").output == "app.py\nbuilt.txt\ndata\n"  # each sandbox has its own copy
+    assert backend.template(t).workdir == "/app"

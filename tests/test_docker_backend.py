@@ -7,7 +7,6 @@ All of them run in one xdist worker (group "docker") and share one backend and o
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import pathlib
 import shutil
 import signal
@@ -23,22 +22,12 @@ import pytest
 from asyncres_jax.envs import docker_backend as db
 from asyncres_jax.envs.task import load_dataset, load_task
 from asyncres_jax.errors import UserError
+from docker_support import require_engine
 
 pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("docker")]
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "et_error_summary"
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def require_engine() -> None:
-    """Skip without an engine; under CI=true, fail instead (CI must exercise the docker backend)."""
-    if db.engine_available():
-        return
-    where = os.environ.get("DOCKER_HOST", "the default socket")
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true but no Docker-API engine answers at {where}: run `make system` and the tests "
-                    "under scripts/with_services.sh", pytrace=False)
-    pytest.skip(f"no Docker-API engine at {where} (run under scripts/with_services.sh to test the docker backend)")
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 
 import pytest
 
-from asyncres_jax.envs.sandbox import Backend, CommandResult, Grade, Sandbox
+from asyncres_jax.envs.sandbox import Backend, CommandResult, Grade, Sandbox, SandboxStartError
 from asyncres_jax.errors import UserError
 from asyncres_jax.rollout import protocol
-from asyncres_jax.rollout.episodes import EpisodeConfig, Policy, PolicyBatch, ScriptedPolicy, run_episodes
+from asyncres_jax.rollout.episodes import (EpisodeConfig, Policy, PolicyBatch, ScriptedPolicy, fitness_of,
+                                           format_transcript, played, run_episodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,3 +243,49 @@ def test_config_validation_and_sections():
 
 def test_no_tasks_no_episodes():
     assert run_episodes(ScriptedPolicy(["ls"]), [], FakeBackend()) == []
+
+
+class FlakyBackend(FakeBackend):
+    """start() raises SandboxStartError for a task the first `failures[name]` times it is asked."""
+
+    def __init__(self, failures: dict[str, int]):
+        super().__init__()
+        self.failures, self.tries = dict(failures), collections.Counter()
+
+    def start(self, task):
+        with self.lock:
+            self.tries[task.name] += 1
+            if self.tries[task.name] <= self.failures.get(task.name, 0):
+                raise SandboxStartError(f"building the image of task {task.name} failed: no space left")
+        return super().start(task)
+
+
+def test_a_sandbox_that_does_not_start_is_retried_then_an_error_kept_out_of_fitness():
+    backend = FlakyBackend({"t1": 2, "t2": 3})  # t1 starts on its third try; t2 never (1 + 2 retries)
+    results = run_episodes(ScriptedPolicy(["touch ok", "<action>done</action>"]), tasks(3), backend,
+                           EpisodeConfig(start_retries=2))
+    assert backend.tries == {"t0": 1, "t1": 3, "t2": 3}
+    assert [(r.task_id, r.end, r.error is None, r.graded) for r in results] == [
+        ("t0", "done", True, True), ("t1", "done", True, True), ("t2", "error", False, False)]
+    assert "t2 failed: no space left" in results[2].error and results[2].turns == 0
+    assert "not played" in format_transcript(results[2])
+    assert [r.task_id for r in played(results)] == ["t0", "t1"]
+    assert fitness_of(results, "binary") == 1.0  # t2's missing episode is not a 0
+    assert backend.all_closed()
+    with pytest.raises(SandboxStartError, match="none of the member's 1 episodes could start"):
+        fitness_of([results[2]], "binary")
+
+
+def test_the_reward_is_the_verifiers_named_metric_when_configured():
+    class MetricSandbox(FakeSandbox):
+        def grade(self):
+            return Grade(reward=0.5, partial=1.0, passed=2, total=2, log="", rewards={"style": 0.0, "tests": 1.0})
+
+    class MetricBackend(FakeBackend):
+        def start(self, task):
+            return MetricSandbox(self, task)
+
+    policy = ScriptedPolicy(["<action>done</action>"])
+    [default] = run_episodes(policy, tasks(1), MetricBackend())
+    [named] = run_episodes(policy, tasks(1), MetricBackend(), EpisodeConfig(reward_key="tests"))
+    assert (default.reward, named.reward, dict(named.grade.rewards)) == (0.5, 1.0, {"style": 0.0, "tests": 1.0})

@@ -188,3 +188,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert ev.main(["--model", "x", "--tasks", "-1"]) == 2
     with pytest.raises(SystemExit):
         ev.main(["--split", "test"])  # neither --checkpoint nor --model
+
+
+def test_episodes_whose_sandbox_never_starts_are_left_out_of_the_evaluation(capsys):
+    from asyncres_jax.envs.sandbox import SandboxStartError
+
+    class BrokenFor(DictBackend):
+        def start(self, task):
+            if task.name.startswith("logs"):
+                raise SandboxStartError(f"building the image of task {task.name} failed: exit 7")
+            return super().start(task)
+
+    tasks = [Task("files-0", "files", "easy"), Task("logs-1", "logs", "easy")]
+    episodes = ev.run_evaluation(ScriptedPolicy(scripts=[["touch ok"], ["touch ok"]]), tasks, BrokenFor(),
+                                 EpisodeConfig(max_turns=3), [42], batch_size=2, progress=False)
+    assert [(e.task_id, e.reward) for e in episodes] == [("files-0", 1.0)]  # not a 0 for logs-1
+    assert "1 episodes could not start and are left out" in capsys.readouterr().err

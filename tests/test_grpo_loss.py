@@ -161,3 +161,15 @@ def test_pack_shifts_targets_and_pads_on_the_right():
     assert rows.mask_bt[0, :3].tolist() == [False, True, True] and not rows.mask_bt[0, 3:].any()
     np.testing.assert_allclose(rows.old_logp_bt[0, :3], [0, -0.1, -0.2])
     assert rows.episode_b.tolist() == [3, -1] and not rows.mask_bt[1].any()
+
+
+def test_an_episode_that_never_started_gets_its_groups_mean_not_a_zero():
+    import types
+
+    from asyncres_jax.grpo.trainer import _without_start_errors
+
+    results = [types.SimpleNamespace(error=e) for e in (None, "no image", None, None, "no image", "no image")]
+    rewards = np.asarray([1.0, 0.0, 0.0, 0.0, 0.0, 0.0], np.float32)
+    fixed, n = _without_start_errors(rewards, results, group_size=3)
+    assert n == 3 and fixed.tolist() == [1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+    assert _without_start_errors(rewards, [types.SimpleNamespace(error=None)] * 6, 3)[1] == 0

@@ -46,9 +46,9 @@ def scalars(events) -> dict[str, dict[int, float]]:
 
 
 def record(update: int, fitness, stale=(0, 0, 1)) -> dict:
-    m = SimpleNamespace(staleness_hist={0: stale.count(0), 1: stale.count(1)}, dropped=1, cancelled=0,
-                        reissued=0, wasted_seconds=0.5, utilization=0.8, wall_seconds=2.0)
-    stats = [{"tokens": 100, "episodes": 2, "successes": 1, "transcript": "x"}] * len(fitness)
+    m = SimpleNamespace(staleness_hist={0: stale.count(0), 1: stale.count(1)}, dropped=1, cancelled=0, reissued=0,
+                        wasted_seconds=0.5, utilization=0.8, wall_seconds=2.0)
+    stats = [{"tokens": 100, "episodes": 2, "successes": 1, "start_errors": 1, "transcript": "x"}] * len(fitness)
     return metrics.update_record(update, np.array(fitness), np.array(stale), m, stats, elapsed_s=10.0 * update)
 
 
@@ -57,6 +57,7 @@ def test_update_record_sums_job_stats_and_derives_rates():
     assert r["update"] == 3 and r["fitness_mean"] == 0.5 and r["fitness_min"] == 0 and r["fitness_max"] == 1
     assert r["staleness_hist"] == {"0": 2, "1": 1} and r["stale_fraction"] == pytest.approx(1 / 3)
     assert r["tokens"] == 300 and r["episodes"] == 6 and r["successes"] == 3 and r["tokens_per_second"] == 150
+    assert r["start_errors"] == 3  # episodes that never started, counted though not scored
     assert "transcript" not in r  # strings in job stats are samples, not metrics
 
 

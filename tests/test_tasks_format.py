@@ -146,3 +146,39 @@ def test_parse_grade_reward_file_decides_in_test_sh_mode():
     assert grading.parse_grade(summary).reward == 0
     # -q summaries have no rules; errors count as failures
     assert grading.count_tests("2 passed, 1 error in 0.5s\n") == (2, 3)
+
+
+def test_reward_json_metrics_are_all_kept_and_the_reward_is_named_or_the_mean():
+    def out(json_text: str | None, txt: str = "") -> str:
+        body = f"{grading.JSON_MARKER}\n{json_text}\n{grading.JSON_MARKER}\n" if json_text is not None else ""
+        return body + f"{grading.MARKER} mode=test.sh status=0 reward={txt}\n"
+
+    g = grading.parse_grade(out('{"correctness": 1.0, "style": 0.5}'))
+    assert (g.reward, dict(g.rewards)) == (0.75, {"correctness": 1.0, "style": 0.5})  # no `reward`: the mean
+    assert (g.metric("style"), g.metric(), g.metric("absent")) == (0.5, 0.75, 0.75)
+    g = grading.parse_grade(out('{"reward": 0.0, "speed": 1}'))
+    assert (g.reward, dict(g.rewards)) == (0.0, {"reward": 0.0, "speed": 1.0})  # `reward` when written
+    g = grading.parse_grade(out('{"tests": 1}', txt="0"))  # both files: reward.txt adds `reward`, which decides
+    assert (g.reward, dict(g.rewards)) == (0.0, {"tests": 1.0, "reward": 0.0})
+    for bad in ("{not json", "[1, 2]", '{"note": "text only"}'):
+        g = grading.parse_grade(out(bad, txt="1"))
+        assert g.reward == 0 and "reward.json" in g.log, bad  # an unreadable reward file is not a pass
+    assert grading.parse_grade(out(None, txt="0.5")).reward == 0  # reward.txt alone: 1 only when it says >= 1
+
+
+def test_a_reward_json_written_by_test_sh_is_read(tmp_path):
+    tests, logs = tmp_path / "tests", tmp_path / "logs"
+    tests.mkdir()
+    (tests / "test.sh").write_text(f"#!/bin/bash\necho '{{\"a\": 1, \"b\": 0}}' > {logs}/reward.json\n")
+    g = grading.parse_grade(_run_grade_script(tests, logs))
+    assert (g.reward, dict(g.rewards)) == (0.5, {"a": 1.0, "b": 0.0})
+
+
+def test_a_tests_output_cannot_pose_as_the_reward_json(tmp_path):
+    """Something the tests run prints a fake reward.json block; the grader's own (empty) block comes last."""
+    tests, logs = tmp_path / "tests", tmp_path / "logs"
+    tests.mkdir()
+    (tests / "test.sh").write_text(f"#!/bin/bash\nprintf '{grading.JSON_MARKER}\\n{{\"reward\": 1}}\\n"
+                                   f"{grading.JSON_MARKER}\\n'\necho 0 > {logs}/reward.txt\n")
+    g = grading.parse_grade(_run_grade_script(tests, logs))
+    assert (g.reward, dict(g.rewards)) == (0, {"reward": 0.0})

@@ -16,7 +16,13 @@ the outer bwrap is killed on a timeout, the namespace's init dies and the kernel
 So nothing outlives a command; state persists between commands only through /home/user and /tmp.
 
 Environment prep replays the task's environment/setup.sh, or its Dockerfile's RUN/COPY/WORKDIR/ENV/USER
-steps, once per task into a template home folder; every sandbox starts from a copy of that template.
+steps, once per task into a template home folder; every sandbox starts from a copy of that template. A
+Dockerfile whose WORKDIR or COPY targets lie in a new top-level folder (Harbor's WORKDIR /app) gets that folder
+as one more writable tree, prepared and copied like the home; the agent and the verifier start in the WORKDIR.
+What cannot be mapped is refused in one line naming the step: writes into system folders (/usr, /etc, ...) or
+other users' homes, multi-stage builds, downloads, packages missing on the host. Every command runs as `user`
+(uid 1000) with HOME=/home/user, whatever USER says; tasks that need root or their image's own user need the
+docker backend.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ import weakref
 
 from asyncres_jax.envs import grading
 from asyncres_jax.envs.dockerfile import Step, expand, parse_dockerfile, parse_env
-from asyncres_jax.envs.sandbox import OUTPUT_CAP, Backend, CommandResult, Grade, Sandbox, clean_output
+from asyncres_jax.envs.sandbox import (OUTPUT_CAP, Backend, CommandResult, Grade, Sandbox, SandboxStartError,
+                                       clean_output)
 from asyncres_jax.envs.task import Task
 from asyncres_jax.errors import UserError
 
@@ -56,6 +63,9 @@ unset BASH_ENV ASYNCRES_CPU ASYNCRES_MEM ASYNCRES_FSIZE ASYNCRES_NPROC
 CONTEXT = "/run/asyncres-context"  # the task's environment/ folder during prep
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _STEP_FAILED = "@@asyncres-step-failed"
+# top-level folders a Dockerfile cannot claim as its own writable tree: the host's (read-only) system folders
+# and the sandbox's own mounts (another user's /home/NAME can be claimed)
+_UNMAPPABLE = set(SYSTEM_DIRS) | {"proc", "dev", "sys", "run", "tmp", "home", "root", "logs", "tests"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +216,7 @@ class _Template:
     initial: pathlib.Path | None  # a folder holding test_initial_state.py
     env: tuple[tuple[str, str], ...]  # ENV of the Dockerfile, on top of the base environment
     workdir: str
+    roots: tuple[str, ...] = ()  # top-level folders (/app) the Dockerfile writes: prepared under home's sibling
 
 
 class BwrapBackend(Backend):
@@ -293,9 +304,11 @@ class BwrapBackend(Backend):
         return self.config.uid_base + slot if self._privileged else None
 
     def _folder(self, kind: str, n: int, uid: int | None) -> pathlib.Path:
-        """A fresh host folder with the sandbox's writable /tmp and /logs (home is made by the caller)."""
+        """A fresh host folder with the sandbox's writable /tmp and /logs (home and roots/ are made by the
+        caller)."""
         d = self.root / f"{kind}-{n}"
         d.mkdir(mode=0o711)
+        (d / "roots").mkdir(mode=0o711)
         for sub, mode in (("tmp", 0o1777), ("logs", 0o755)):
             (d / sub).mkdir()
             (d / sub).chmod(mode)
@@ -373,20 +386,32 @@ class BwrapBackend(Backend):
             else:
                 prep.replay(parse_dockerfile(task.dockerfile.read_text(), source=str(task.dockerfile)))
             shutil.rmtree(d / "tmp", ignore_errors=True)
+            writable = prep.workdir == HOME or prep.workdir.startswith(HOME + "/") or prep.root_of(prep.workdir)
             return _Template(home=home, tests=tests, initial=initial, env=tuple(prep.runtime_env.items()),
-                             workdir=prep.workdir if prep.workdir.startswith(HOME) else HOME)
+                             workdir=prep.workdir if writable else HOME, roots=tuple(prep.roots))
         finally:
             self._give_uid(slot)
 
     # --- Backend ---------------------------------------------------------------------------------------
 
     def start(self, task: Task) -> "BwrapSandbox":
-        tpl = self.template(task)
+        """A fresh sandbox of the task; SandboxStartError (one line, naming the task) when its environment
+        cannot be prepared here (a step the sandbox refuses, a failing step) or the sandbox cannot start."""
+        try:
+            tpl = self.template(task)
+        except SandboxStartError:
+            raise
+        except Exception as e:  # a task that cannot be prepared is that task's error
+            raise SandboxStartError(_one_line(str(e) if isinstance(e, UserError) else
+                                              f"{task.name}: {type(e).__name__}: {e}")) from None
         slot, n = self._take_uid()
         try:
             uid = self.host_uid(slot)
             d = self._folder("sb", n, uid)
             _clone_tree(tpl.home, d / "home", uid)
+            for top in tpl.roots:
+                (d / "roots" / top).parent.mkdir(parents=True, exist_ok=True)
+                _clone_tree(tpl.home.parent / "roots" / top, d / "roots" / top, uid)
         except BaseException:
             self._give_uid(slot)
             raise
@@ -442,10 +467,40 @@ class _Prep:
         self.runtime_env: dict[str, str] = {}  # ENV only: what the agent later sees too
         self.workdir = "/"
         self.batch: list[tuple[Step, str, str, dict[str, str]]] = []
+        self.roots: list[str] = []  # top-level folders mapped to writable trees (map_roots)
 
     def binds(self) -> list[str]:
         return ["--bind", str(self.d / "home"), HOME, "--bind", str(self.d / "tmp"), "/tmp",
-                "--ro-bind", str(self.d / "context"), CONTEXT]
+                "--ro-bind", str(self.d / "context"), CONTEXT, *_root_binds(self.d, self.roots)]
+
+    def root_of(self, path: str) -> str | None:
+        top = _top(path)
+        return top if top in self.roots else None
+
+    def map_roots(self, steps: list[Step]) -> None:
+        """The new top-level folders WORKDIR and COPY/ADD steps target (/app), made writable trees before any
+        step runs, so that RUN steps before them may write there too."""
+        env, workdir = dict(self.env), "/"
+        for step in steps:
+            if step.instruction in ("ENV", "ARG"):
+                env.update({k: expand(v, env) for k, v in parse_env(step).items()})
+                continue
+            if step.instruction == "WORKDIR":
+                workdir = os.path.normpath(os.path.join(workdir, expand(step.text.strip(), env)))
+                target = workdir
+            elif step.instruction in ("COPY", "ADD") and not step.flags_and_args()[0].get("from"):
+                args = step.flags_and_args()[1]
+                if not args:
+                    continue
+                target = os.path.normpath(os.path.join(workdir, expand(args[-1], env)))
+            else:
+                continue
+            top = _top(target)
+            if top and top not in _UNMAPPABLE and top not in self.roots:
+                self.roots.append(top)
+                (self.d / "roots" / top).mkdir(mode=0o755, parents=True)
+                if self.uid is not None:
+                    os.chown(self.d / "roots" / top, self.uid, self.uid)
 
     def run_script(self, script: str, what: str) -> None:
         env = {**_base_env(), **self.env, "PATH": f"{PREP_SHIMS}:{self.env.get('PATH', BASE_PATH)}"}
@@ -485,8 +540,11 @@ class _Prep:
         p = os.path.normpath(path if path.startswith("/") else os.path.join(self.workdir, path))
         if p == HOME or p.startswith(HOME + "/"):
             return self.d / "home" / os.path.relpath(p, HOME)
-        raise UserError(f"{self.task.path.name}: {step.describe()} writes to {p}, outside {HOME} and /tmp; "
-                        "the bwrap sandbox keeps the rest of the file system read-only (use --backend docker)")
+        if top := self.root_of(p):
+            return self.d / "roots" / top / os.path.relpath(p, "/" + top)
+        raise UserError(f"{self.task.path.name}: {step.describe()} writes to {p}, a system folder the bwrap "
+                        f"sandbox keeps read-only (writable: {HOME}, /tmp and new top-level folders such as /app); "
+                        "use --backend docker")
 
     def copy(self, step: Step) -> None:
         flags, args = step.flags_and_args()
@@ -540,6 +598,7 @@ class _Prep:
                     os.lchown(os.path.join(root, n), self.uid, self.uid)
 
     def replay(self, steps: list[Step]) -> None:
+        self.map_roots(steps)
         for step in steps:
             kind = step.instruction
             if kind == "RUN":
@@ -557,7 +616,7 @@ class _Prep:
                         self.runtime_env[k] = v
             elif kind == "WORKDIR":
                 wd = os.path.normpath(os.path.join(self.workdir, expand(step.text.strip(), self.env)))
-                if not pathlib.Path(wd).is_dir() or wd.startswith(HOME):  # existing system folders are fine
+                if not (_top(wd) in SYSTEM_DIRS and pathlib.Path(wd).is_dir()):  # existing system folders are fine
                     self.flush()
                     p = self.host_path(wd, step)
                     p.mkdir(parents=True, exist_ok=True)
@@ -574,11 +633,27 @@ class _Prep:
         self.flush()
 
 
+def _top(path: str) -> str:
+    """The tree a path belongs to: its top-level folder, or /home/NAME for another user's home ("home/NAME")."""
+    parts = os.path.normpath("/" + path).strip("/").split("/")
+    if parts[0] == "home" and len(parts) > 1 and parts[1] != "user":
+        return "home/" + parts[1]
+    return parts[0]
+
+
+def _root_binds(d: pathlib.Path, roots) -> list[str]:
+    return [a for top in roots for a in ("--bind", str(d / "roots" / top), "/" + top)]
+
+
+def _one_line(text: str) -> str:
+    return " | ".join(ln.strip() for ln in text.replace(":\n", ": ").splitlines() if ln.strip())
+
+
 def _explain(tail: str) -> str:
     hint = ""
     if "Read-only file system" in tail or "Permission denied" in tail:
-        hint = (f"\n(the bwrap sandbox can only write under {HOME} and /tmp; steps that write elsewhere "
-                "need --backend docker)")
+        hint = (f"\n(the bwrap sandbox can only write under {HOME}, /tmp and new top-level folders such as /app; "
+                "steps that write elsewhere need --backend docker)")
     return (":\n" + tail if tail else "") + hint
 
 
@@ -598,7 +673,8 @@ class BwrapSandbox(Sandbox):
         self._lock = threading.Lock()
 
     def _binds(self) -> list[str]:
-        return ["--bind", str(self.folder / "home"), HOME, "--bind", str(self.folder / "tmp"), "/tmp"]
+        return ["--bind", str(self.folder / "home"), HOME, "--bind", str(self.folder / "tmp"), "/tmp",
+                *_root_binds(self.folder, self.tpl.roots)]
 
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
         if self._closed:
@@ -611,19 +687,19 @@ class BwrapSandbox(Sandbox):
         logs = self.folder / "logs"
         binds = self._binds() + ["--ro-bind", str(tests), grading.TESTS_DIR, "--bind", str(logs), "/logs"]
         timeout = self.task.verifier_timeout_s
-        r = self.backend.exec_bwrap(self.uid, binds, self.env, HOME, script, timeout,
+        r = self.backend.exec_bwrap(self.uid, binds, self.env, self.tpl.workdir, script, timeout,
                                     self.backend.limits(self.task, timeout))
         return grading.parse_grade(r.output)
 
     def grade(self) -> Grade:
-        return self._grade(self.tpl.tests, grading.grade_script(workdir=HOME, shims_dir=SHIMS))
+        return self._grade(self.tpl.tests, grading.grade_script(workdir=self.tpl.workdir, shims_dir=SHIMS))
 
     def grade_initial_state(self) -> Grade:
         """Run environment/test_initial_state.py against the current state (reward 1 when it passes)."""
         if self.tpl.initial is None:
             raise UserError(f"{self.task.path}/environment/test_initial_state.py does not exist")
         return self._grade(self.tpl.initial, grading.grade_script(
-            workdir=HOME, shims_dir=SHIMS, test_file="test_initial_state.py", use_test_sh=False))
+            workdir=self.tpl.workdir, shims_dir=SHIMS, test_file="test_initial_state.py", use_test_sh=False))
 
     def close(self) -> None:
         with self._lock:

@@ -35,6 +35,8 @@ def check_task(backend: Backend, task: Task, *, oracle: bool, initial: bool = Fa
         g = sb.grade()
     rec.update(reward=g.reward, partial=round(g.partial, 4), passed=g.passed, total=g.total,
                seconds=round(time.perf_counter() - t0, 3))
+    if g.rewards:
+        rec["rewards"] = dict(g.rewards)
     if g.reward != int(oracle):  # the surprising outcome: keep the evidence
         rec["log"] = g.log[-3000:]
     return rec
@@ -50,7 +52,13 @@ def check_tasks(backend: Backend, tasks: Iterable[Task], *, workers: int = 8, **
 
 
 def _safe_check(backend: Backend, task: Task, kw: dict) -> dict:
+    """A task that cannot be checked (no oracle, an image that does not build, an engine error) is that task's
+    error record, with no reward: it says nothing about the task's score, and the others are still checked."""
+    t0 = time.perf_counter()
     try:
         return check_task(backend, task, **kw)
-    except UserError as e:  # a broken task is a result, not the end of the run
-        return {"task": task.name, "reward": 0, "partial": 0.0, "error": str(e)}
+    except UserError as e:
+        error = str(e)
+    except Exception as e:  # the engine's or the sandbox's own failures: reported, not fatal
+        error = f"{type(e).__name__}: {' '.join(str(e).split())}"
+    return {"task": task.name, "error": error, "seconds": round(time.perf_counter() - t0, 3)}

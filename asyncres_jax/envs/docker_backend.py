@@ -3,7 +3,11 @@
 Works against Docker itself or podman's Docker-compatible service (what CI runs), through the `docker` SDK
 and DOCKER_HOST. Each task's environment/ folder becomes one image, built once and found again by a hash of
 its contents (tagged localhost/asyncres-env:HASH). A sandbox is one container of that image: no network,
-memory and pids limits, commands run as the task's unprivileged user in /home/user.
+memory and pids limits. As in Harbor, the agent's commands, the oracle and the verifier run as the image's
+USER (root when the Dockerfile names none), in its WORKDIR, with the image's environment (HOME from the
+user's account), unless task.toml's [environment] user/workdir say otherwise. Generated tasks keep the Endless
+Terminals convention (an unprivileged `user` in /home/user) by writing USER/WORKDIR/ENV in their Dockerfiles.
+A task whose image cannot be built or whose container cannot be started raises SandboxStartError, naming it.
 
 Offline machines: `base_aliases` rewrites FROM lines before building (e.g. ubuntu:22.04 ->
 localhost/asyncres-base:bookworm, the Debian image scripts/setup_system.sh makes with debootstrap). Rewriting
@@ -35,7 +39,7 @@ import weakref
 from typing import TYPE_CHECKING, Mapping
 
 from asyncres_jax.envs.grading import TESTS_DIR, grade_script, parse_grade, write_offline_shims
-from asyncres_jax.envs.sandbox import Backend, CommandResult, Grade, Sandbox, clean_output
+from asyncres_jax.envs.sandbox import Backend, CommandResult, Grade, Sandbox, SandboxStartError, clean_output
 from asyncres_jax.errors import UserError
 
 if TYPE_CHECKING:
@@ -51,6 +55,7 @@ BASE_IMAGE = "localhost/asyncres-base:bookworm"  # what scripts/setup_system.sh 
 ALIASES_ENV = "ASYNCRES_DOCKER_BASE_ALIASES"  # "ubuntu:22.04=localhost/asyncres-base:bookworm,..."
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 RUN_DIR = "/run/asyncres"  # a small tmpfs per container: the grading shims
+LOGS_DIR = "/logs/verifier"  # a small tmpfs per container, writable by whoever the verifier runs as
 SHIMS_DIR = f"{RUN_DIR}/shims"
 KEEP_BYTES = 200_000  # command output read back from the container; clean_output caps it further
 GRADE_KEEP_BYTES = 4_000_000  # grading output must keep pytest's summary and the marker at the end
@@ -101,8 +106,8 @@ def parse_aliases(text: str) -> dict[str, str]:
 class DockerConfig:
     base_url: str | None = None  # None: $DOCKER_HOST, else the engine's default socket
     base_aliases: Mapping[str, str] = dataclasses.field(default_factory=aliases_from_env)
-    user: str = "user"  # the unprivileged user the task's Dockerfile creates
-    workdir: str = "/home/user"
+    user: str | None = None  # None: task.toml's [environment] user, else the image's USER (root if none)
+    workdir: str | None = None  # None: task.toml's [environment] workdir, else the image's WORKDIR
     command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S  # when run() is given no timeout
     memory_mb: int | None = None  # None: the task's memory_mb (task.toml)
     pids_limit: int = 512
@@ -128,7 +133,7 @@ def rewrite_from(dockerfile: str, aliases: Mapping[str, str]) -> str:
 
 def _synth_dockerfile() -> str:
     """A Dockerfile for a task that only has environment/setup.sh: like the bwrap backend, it runs as the user
-    in /home/user, on the Ubuntu base with python3 and pytest for grading."""
+    in /home/user (and so do the episodes), on the Ubuntu base with python3 and pytest for grading."""
     return ("FROM ubuntu:22.04\n"
             "RUN python3 -c 'import pytest' 2>/dev/null || "
             "(apt-get update && apt-get install -y python3 python3-pytest)\n"
@@ -138,7 +143,9 @@ def _synth_dockerfile() -> str:
             "WORKDIR /home/user\n"
             "RUN bash /tmp/asyncres-env/setup.sh\n"
             "USER root\n"
-            "RUN rm -rf /tmp/asyncres-env\n")
+            "RUN rm -rf /tmp/asyncres-env\n"
+            "USER user\n"
+            "ENV HOME=/home/user\n")
 
 
 def _context_files(env_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -168,9 +175,15 @@ def context_tar(env_dir: pathlib.Path, dockerfile: str) -> bytes:
 
 
 def _tar_dir(src: pathlib.Path, arc_root: str) -> bytes:
+    """`src` as a tar rooted at `arc_root`, owned by root and readable by all (the verifier may not be root)."""
+    def readable(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""
+        info.mode |= 0o555 if info.isdir() else 0o444
+        return info
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        tar.add(str(src), arcname=arc_root)
+        tar.add(str(src), arcname=arc_root, filter=readable)
     return buf.getvalue()
 
 
@@ -227,21 +240,20 @@ def engine_available(base_url: str | None = None) -> bool:
 class DockerSandbox(Sandbox):
     """One container for one episode; run() and grade() are exec calls into it."""
 
-    def __init__(self, backend: "DockerBackend", task: "Task", container_id: str):
+    def __init__(self, backend: "DockerBackend", task: "Task", container_id: str, workdir: str):
         self._backend, self.task, self.container_id = backend, task, container_id
+        self.workdir = workdir  # where commands start and the verifier runs
         self._api = backend.client.api
         self._closed = False
 
-    def _exec(self, argv: list[str], user: str, env: Mapping[str, str] | None = None) -> tuple[bytes, bytes, int]:
-        cfg = self._backend.cfg
-        ex = self._api.exec_create(self.container_id, argv, user=user, workdir=cfg.workdir,
-                                   environment=dict(env or {}))
+    def _exec(self, argv: list[str], user: str = "", env: Mapping[str, str] | None = None) -> tuple[bytes, bytes, int]:
+        """`user` "" is the container's user (the task's); the engine sets HOME from that user's account."""
+        ex = self._api.exec_create(self.container_id, argv, user=user, environment=dict(env or {}))
         out, err = self._api.exec_start(ex["Id"], demux=True)
         rc = self._api.exec_inspect(ex["Id"])["ExitCode"]
         return out or b"", err or b"", -1 if rc is None else int(rc)
 
-    def _run_wrapped(self, command: str, timeout: float, user: str, env: Mapping[str, str],
-                     keep_bytes: int) -> tuple[bytes, int, bool, float]:
+    def _run_wrapped(self, command: str, timeout: float, keep_bytes: int) -> tuple[bytes, int, bool, float]:
         if self._closed:
             raise RuntimeError("run() on a closed sandbox")
         limit = self._backend.cfg.api_timeout_s - 30  # the engine call must outlast the command
@@ -250,17 +262,15 @@ class DockerSandbox(Sandbox):
                             "the docker backend's api_timeout_s")
         t0 = time.monotonic()
         out, _, rc = self._exec(["bash", "-c", _WRAPPER, "asyncres", f"{timeout:.3f}", command, str(keep_bytes),
-                                 uuid.uuid4().hex], user, env)
+                                 uuid.uuid4().hex])
         seconds = time.monotonic() - t0
         # `timeout -s KILL` dies with its process group: 137 after the full time means it fired.
         timed_out = rc == 137 and seconds >= timeout
         return out, rc, timed_out, seconds
 
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
-        cfg = self._backend.cfg
-        timeout = cfg.command_timeout_s if timeout is None else float(timeout)
-        env = {"HOME": cfg.workdir, "USER": cfg.user, "LOGNAME": cfg.user}
-        out, rc, timed_out, seconds = self._run_wrapped(command, timeout, cfg.user, env, KEEP_BYTES)
+        timeout = self._backend.cfg.command_timeout_s if timeout is None else float(timeout)
+        out, rc, timed_out, seconds = self._run_wrapped(command, timeout, KEEP_BYTES)
         return CommandResult(output=clean_output(out), exit_code=rc, timed_out=timed_out, seconds=seconds)
 
     def put_dir(self, src: pathlib.Path, dest: str) -> None:
@@ -271,23 +281,22 @@ class DockerSandbox(Sandbox):
             raise RuntimeError(f"could not copy {src} into the container at {dest}")
 
     def _grade(self, tests: pathlib.Path, script: str) -> Grade:
-        """Tests at /tests (put_archive), the offline stand-ins for uv/curl/pip, then the shared script as root
-        (Harbor runs a task's verifier as the container's root)."""
+        """Tests at /tests (put_archive), the offline stand-ins for uv/curl/pip, then the shared script as the
+        task's user in its workdir (as Harbor runs a task's verifier)."""
         self.put_dir(tests, TESTS_DIR)
         self.put_dir(self._backend.shims_dir, SHIMS_DIR)
-        out, _, _, _ = self._run_wrapped(script, self.task.verifier_timeout_s, "root", {"HOME": "/root"},
-                                         GRADE_KEEP_BYTES)
+        out, _, _, _ = self._run_wrapped(script, self.task.verifier_timeout_s, GRADE_KEEP_BYTES)
         return parse_grade(clean_output(out, cap=GRADE_KEEP_BYTES))
 
     def grade(self) -> Grade:
-        return self._grade(self.task.tests_dir, grade_script(workdir=self._backend.cfg.workdir, shims_dir=SHIMS_DIR))
+        return self._grade(self.task.tests_dir, grade_script(workdir=self.workdir, shims_dir=SHIMS_DIR))
 
     def grade_initial_state(self) -> Grade:
         """Run environment/test_initial_state.py against the current state (reward 1 when it passes)."""
         if self.task.initial_state_test is None:
             raise UserError(f"{self.task.path}/environment/test_initial_state.py does not exist")
         return self._grade(self.task.environment_dir, grade_script(
-            workdir=self._backend.cfg.workdir, shims_dir=SHIMS_DIR, test_file="test_initial_state.py",
+            workdir=self.workdir, shims_dir=SHIMS_DIR, test_file="test_initial_state.py",
             use_test_sh=False))
 
     def close(self) -> None:
@@ -393,26 +402,42 @@ class DockerBackend(Backend):
             except docker.errors.BuildError as e:
                 tail = " | ".join(str(x.get("stream", x.get("error", ""))).strip() for x in list(e.build_log)[-4:])
                 msg = " ".join(str(e.msg).split())
-                raise UserError(f"building the image of task {task.name} failed: {msg}; last output: "
-                                f"{' '.join(tail[-400:].split())}; fix {task.environment_dir}/Dockerfile "
-                                f"(or set base-image "
-                                f"aliases in ${ALIASES_ENV} on an offline machine)") from None
+                raise SandboxStartError(f"building the image of task {task.name} failed: {msg}; last output: "
+                                        f"{' '.join(tail[-400:].split())}; fix {task.environment_dir}/Dockerfile "
+                                        f"(or set base-image aliases in ${ALIASES_ENV} offline)") from None
             except docker.errors.APIError as e:
-                raise UserError(f"building the image of task {task.name} failed: {e.explanation or e}") from None
+                raise SandboxStartError(f"building the image of task {task.name} failed: "
+                                        f"{' '.join(str(e.explanation or e).split())}") from None
         return image
 
     # --- containers -----------------------------------------------------------------------------------------
 
     def start(self, task: "Task") -> DockerSandbox:
+        """A running container of the task's image; SandboxStartError (one line, naming the task) when the image
+        cannot be built or the container cannot be created or started."""
+        try:
+            return self._start(task)
+        except SandboxStartError:
+            raise
+        except Exception as e:  # the engine's errors, or none answering: this task's error, not the run's end
+            import docker
+
+            why = (e.explanation or str(e)) if isinstance(e, docker.errors.APIError) else f"{type(e).__name__}: {e}"
+            raise SandboxStartError(f"starting the container of task {task.name} failed: "
+                                    f"{' '.join(str(why).split())[:600]}") from None
+
+    def _start(self, task: "Task") -> DockerSandbox:
         image_id, _ = self.image_for(task)
         cfg = self.cfg
         memory_mb = cfg.memory_mb or task.memory_mb
+        user, workdir = cfg.user or task.user, cfg.workdir or task.workdir  # None: the image's
         with self._start_sem:
             container = self.client.containers.create(
-                image_id, entrypoint=["sleep", "infinity"], command=[], init=True,
+                image_id, entrypoint=["sleep", "infinity"], command=[], init=True, user=user or "",
                 network_mode="none", mem_limit=f"{memory_mb}m", memswap_limit=f"{memory_mb}m",
-                pids_limit=cfg.pids_limit, nano_cpus=int(task.cpus * 1e9), working_dir=cfg.workdir,
-                tmpfs={RUN_DIR: f"size={cfg.run_tmpfs_mb}m,mode=1777"}, name=f"asyncres-{uuid.uuid4().hex[:12]}",
+                pids_limit=cfg.pids_limit, nano_cpus=int(task.cpus * 1e9), working_dir=workdir,
+                tmpfs={RUN_DIR: f"size={cfg.run_tmpfs_mb}m,mode=1777", LOGS_DIR: f"size={cfg.run_tmpfs_mb}m,mode=1777"},
+                name=f"asyncres-{uuid.uuid4().hex[:12]}",
                 labels={LABEL: "1", OWNER_LABEL: self._owner, "asyncres.task": task.name})
             with self._lock:
                 self._live.add(container.id)
@@ -422,7 +447,8 @@ class DockerBackend(Backend):
         except Exception:
             self._remove(container.id)  # created but not started: not left behind for the next sweep
             raise
-        return DockerSandbox(self, task, container.id)
+        workdir = workdir or container.attrs["Config"].get("WorkingDir") or "/"
+        return DockerSandbox(self, task, container.id, workdir)
 
     def _remove(self, container_id: str) -> None:
         import docker

@@ -1,18 +1,25 @@
 """Backend-neutral grading: the shell script that runs inside an environment, and the parser of its output.
 
-As in the paper: at grading time the task's tests folder is at /tests; /tests/test.sh runs when present and the
-reward file it writes (/logs/verifier/reward.txt) decides; otherwise `pytest /tests/test_final_state.py`
-decides. The partial credit is the fraction of final-state tests that passed, read from pytest's summary line
-(or its -rA lines), so a small model that gets 3 of 4 checks right is told so.
+At grading time the task's tests folder is at /tests; /tests/test.sh runs when present and the reward
+files it writes decide (Harbor's convention): /logs/verifier/reward.json, a JSON object of named metrics, every
+one recorded, and/or /logs/verifier/reward.txt, one number (1 when it says >= 1). Otherwise
+`pytest /tests/test_final_state.py` decides. The partial credit is the fraction of final-state tests that
+passed, read from pytest's summary line (or its -rA lines), so a small model that gets 3 of 4 checks right is
+told so.
 
 Real Endless Terminals test.sh files fetch uv with curl and run `uvx --with pytest==8.4.1 ... pytest --ctrf
 ...`; a sandbox without network can still run them unchanged with the offline stand-ins of
 `write_offline_shims` on PATH: uvx/uv run the host's pytest, curl of the uv installer is a no-op, apt-get and
 pip only report what is missing, and `--ctrf` is accepted when pytest-json-ctrf is not installed.
+
+Nothing of the grader's own environment reaches the task's programs: the pytest stand-in sets the variables
+that keep a planted pytest.py or usercustomize from being imported (PYTHONSAFEPATH, PYTHONNOUSERSITE) for the
+pytest process alone, and its plugin removes them again before any test starts a program of the task's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -23,7 +30,9 @@ from asyncres_jax.envs.sandbox import Grade
 TESTS_DIR = "/tests"
 VERIFIER_DIR = "/logs/verifier"
 REWARD_FILE = f"{VERIFIER_DIR}/reward.txt"
+REWARD_JSON = f"{VERIFIER_DIR}/reward.json"  # Harbor's multi-metric reward
 MARKER = "@@asyncres-grade"
+JSON_MARKER = "@@asyncres-reward-json"  # reward.json's text is printed between two of these
 
 
 def grade_script(*, workdir: str = "/home/user", shims_dir: str | None = None,
@@ -31,23 +40,22 @@ def grade_script(*, workdir: str = "/home/user", shims_dir: str | None = None,
     """The bash script a backend runs (as the grading user, tests at /tests) to grade the current state.
 
     test_file/use_test_sh=False run another pytest file from /tests instead (the initial-state checks).
-    PYTHONSAFEPATH/PYTHONNOUSERSITE: a module the agent planted in its home (a fake pytest.py, a
-    usercustomize) must not be importable by the tests.
+    With shims_dir, PATH leads to the offline stand-ins, whose `python3 -m pytest` and `pytest` carry the
+    grader's protections; without it the plain pytest run sets them itself.
     """
-    shims = shlex.quote(shims_dir) if shims_dir else ""
-    path = (f'export PATH={shims}:"$PATH" PYTHONPATH={shims}${{PYTHONPATH:+:$PYTHONPATH}} '
-            'PYTEST_PLUGINS=asyncres_ctrf\n') if shims_dir else ""
+    path = f'export PATH={shlex.quote(shims_dir)}:"$PATH"\n' if shims_dir else ""
+    guard = "" if shims_dir else "PYTHONDONTWRITEBYTECODE=1 PYTHONSAFEPATH=1 PYTHONNOUSERSITE=1 "
     test_sh = f"{TESTS_DIR}/test.sh" if use_test_sh else "/nonexistent/test.sh"
     return f"""\
-export PYTHONDONTWRITEBYTECODE=1 PYTHONSAFEPATH=1 PYTHONNOUSERSITE=1
-{path}mkdir -p {VERIFIER_DIR} && rm -f {REWARD_FILE}
+{path}mkdir -p {VERIFIER_DIR} && rm -f {REWARD_FILE} {REWARD_JSON}
 cd {shlex.quote(workdir)} 2>/dev/null || cd /
 if [ -f {test_sh} ]; then
   bash {test_sh} </dev/null 2>&1
   status=$?
+  echo "{JSON_MARKER}"; head -c 65536 {REWARD_JSON} 2>/dev/null; echo; echo "{JSON_MARKER}"
   echo "{MARKER} mode=test.sh status=$status reward=$(head -c 64 {REWARD_FILE} 2>/dev/null | tr -d '[:space:]')"
 else
-  python3 -m pytest -rA -p no:cacheprovider {TESTS_DIR}/{shlex.quote(test_file)} </dev/null 2>&1
+  {guard}python3 -m pytest -rA -p no:cacheprovider {TESTS_DIR}/{shlex.quote(test_file)} </dev/null 2>&1
   echo "{MARKER} mode=pytest status=$?"
 fi
 """
@@ -75,6 +83,25 @@ def count_tests(output: str) -> tuple[int, int]:
     return passed, len(marks)
 
 
+def _reward_json(output: str) -> tuple[dict[str, float], str | None]:
+    """The metrics of reward.json, printed between the last two JSON_MARKER lines (empty when there is none), and
+    why it was unreadable. The grader prints the pair after test.sh, so a test's output cannot stand in for it."""
+    parts = output.split(JSON_MARKER + "\n")
+    text = parts[-2].strip() if len(parts) >= 3 else ""
+    if not text:
+        return {}, None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return {}, f"{REWARD_JSON} is not JSON ({e})"
+    if not isinstance(data, dict):
+        return {}, f"{REWARD_JSON} holds a {type(data).__name__}, not an object of named metrics"
+    metrics = {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if not metrics:
+        return {}, f"{REWARD_JSON} names no numeric metric"
+    return metrics, None
+
+
 def parse_grade(output: str) -> Grade:
     """The Grade of a grading run's (cleaned) output. No marker means the script did not finish: reward 0."""
     passed, total = count_tests(output)
@@ -85,14 +112,26 @@ def parse_grade(output: str) -> Grade:
     if m is None:
         return Grade(reward=0, partial=partial, passed=passed, total=total, log=output)
     mode, status, reward_text = m.group(1), int(m.group(2)), m.group(3)
-    if mode == "test.sh":
-        try:
-            reward = 1 if float(reward_text or "nan") >= 1.0 else 0
-        except ValueError:
-            reward = 0
-    else:
+    if mode != "test.sh":
         reward = 1 if status == 0 and total > 0 else 0
-    return Grade(reward=reward, partial=partial, passed=passed, total=total, log=output)
+        return Grade(reward=reward, partial=partial, passed=passed, total=total, log=output)
+    rewards, problem = _reward_json(output[: m.start()])
+    if problem:  # a reward file that cannot be read is not a pass
+        return Grade(reward=0, partial=partial, passed=passed, total=total, log=output + f"\n[grader: {problem}]")
+    try:
+        txt = float(reward_text) if reward_text else None
+    except ValueError:
+        txt = None
+    if txt is None or txt != txt:  # no number in reward.txt (or NaN)
+        if not rewards:
+            return Grade(reward=0, partial=partial, passed=passed, total=total, log=output)
+    elif not rewards:  # reward.txt alone: 1 when it says >= 1
+        return Grade(reward=1 if txt >= 1.0 else 0, partial=partial, passed=passed, total=total, log=output,
+                     rewards={"reward": txt})
+    else:
+        rewards.setdefault("reward", txt)
+    reward = rewards["reward"] if "reward" in rewards else sum(rewards.values()) / len(rewards)
+    return Grade(reward=reward, partial=partial, passed=passed, total=total, log=output, rewards=rewards)
 
 
 # --- offline stand-ins for the network tools Endless Terminals' test.sh files call --------------------------
@@ -102,7 +141,6 @@ _SHIM = r"""#!/bin/sh
 # Offline stand-in (asyncres_jax.envs.grading) for package and network tools: the sandbox has no network.
 name=${0##*/}
 here=${0%/*}
-PY=/usr/bin/python3
 # installer scaffolding and reporting plugins: nothing needs them once installs are skipped
 OPTIONAL=" pytest-json-ctrf pochi-verifier pytest-xprocess uv pip setuptools wheel python3-pip python3-venv
  python3-setuptools python3-wheel python-is-python3 ca-certificates gnupg software-properties-common apt-utils
@@ -125,6 +163,22 @@ missing() {  # $1 package, $2 kind; fails unless the package is optional
   echo "error: $2 package '$1' is not installed on the host and cannot be installed offline;" \
        "install it on the host (see scripts/setup_system.sh)" >&2
   return 1
+}
+
+PY=$(real python3) || PY=/usr/bin/python3  # the environment's own python (an image may have no /usr/bin one)
+
+pytest_env() {  # the grader's protections, for one pytest process; asyncres_ctrf removes them again inside it
+  added=""
+  for v in PYTHONSAFEPATH PYTHONNOUSERSITE PYTHONDONTWRITEBYTECODE; do
+    eval "[ -z \"\${$v+x}\" ]" && { export "$v=1"; added="$added $v"; }
+  done
+  export ASYNCRES_ADDED="$added" PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" \
+    PYTEST_PLUGINS="asyncres_ctrf${PYTEST_PLUGINS:+,$PYTEST_PLUGINS}"
+}
+
+run_pytest() {  # python -m pytest ARGS, protected
+  pytest_env
+  exec "$PY" -m pytest "$@"
 }
 
 dpkg_installed() {  # dpkg keeps a file list per installed package: a stat, not a query of the whole database
@@ -179,7 +233,7 @@ run_tool() {  # uvx / uv run: drop uv's options (keeping --with packages to chec
   # shellcheck disable=SC2086
   pip_install $withs || exit 1
   case "$1" in
-    pytest|py.test) shift; exec "$PY" -m pytest "$@";;
+    pytest|py.test) shift; run_pytest "$@";;
     python|python3) shift; exec "$PY" "$@";;
   esac
   exec "$@"
@@ -198,7 +252,12 @@ case "$name" in
     if [ "$1" = -m ] && { [ "$2" = pip ] || [ "$2" = pip3 ]; }; then
       [ "$3" = install ] && { shift 3; pip_install "$@"; exit $?; }; exit 0
     fi
+    [ "$1" = -m ] && [ "$2" = pytest ] && { shift 2; run_pytest "$@"; }
     exec "$PY" "$@";;
+  pytest|py.test)
+    p=$(real "$name") || run_pytest "$@"
+    pytest_env
+    exec "$p" "$@";;
   apt-get|apt)
     found=0; status=0
     for a in "$@"; do
@@ -238,15 +297,35 @@ esac
 exit 0
 """
 
-_CTRF_PLUGIN = '''"""Accepts pytest-json-ctrf's --ctrf option when that plugin is not installed (offline sandboxes)."""
+_CTRF_PLUGIN = '''"""Loaded into every pytest the grader runs: hands the task's tests the environment without
+the grader's variables (programs they start must not inherit them), and accepts pytest-json-ctrf's --ctrf
+option when that plugin is not installed (offline sandboxes)."""
 import importlib.util
+import os
+
+
+def _restore_environment():
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in os.environ.pop("ASYNCRES_ADDED", "").split():
+        os.environ.pop(name, None)
+    for name, own in (("PYTHONPATH", here), ("PYTEST_PLUGINS", "asyncres_ctrf")):
+        sep = os.pathsep if name == "PYTHONPATH" else ","
+        rest = [p for p in os.environ.get(name, "").split(sep) if p and p != own]
+        if rest:
+            os.environ[name] = sep.join(rest)
+        else:
+            os.environ.pop(name, None)
+
+
+_restore_environment()
 
 if importlib.util.find_spec("pytest_jsonctrf") is None:
     def pytest_addoption(parser):
-        parser.addoption("--ctrf", action="store", default=None, help="ignored: pytest-json-ctrf is not installed")
+        parser.addoption("--ctrf", action="store", default=None,
+                         help="ignored: pytest-json-ctrf is not installed")
 '''
 
-SHIM_NAMES = ("uvx", "uv", "pip", "pip3", "apt-get", "apt", "curl", "python", "python3")
+SHIM_NAMES = ("uvx", "uv", "pip", "pip3", "apt-get", "apt", "curl", "python", "python3", "pytest", "py.test")
 # environment prep (Dockerfile RUN steps replayed as the sandbox user) also maps user/ownership tools
 PREP_SHIM_NAMES = SHIM_NAMES + ("rm", "sudo", "su", "useradd", "adduser", "groupadd", "addgroup", "usermod",
                                 "groupmod", "chown", "chgrp", "passwd", "chpasswd", "locale-gen",

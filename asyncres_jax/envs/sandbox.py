@@ -1,7 +1,8 @@
 """The interface every sandbox backend implements (bwrap, docker), and output handling they share.
 
 A Backend prepares environments for tasks; a Sandbox is one live environment for one episode: commands run
-in it as the task's unprivileged user in /home/user, and grade() runs the task's final-state tests in it.
+in it as the task's user in its working folder (docker: the image's USER and WORKDIR; bwrap: `user`, in the
+Dockerfile's WORKDIR when it could be mapped, else /home/user), and grade() runs the task's tests in it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
+
+from asyncres_jax.errors import UserError
 
 if TYPE_CHECKING:
     from asyncres_jax.envs.task import Task
@@ -38,11 +41,21 @@ class CommandResult:
 
 @dataclasses.dataclass(frozen=True)
 class Grade:
-    reward: int  # 1 if the task's final-state tests pass, else 0
+    reward: float  # 1 if the task's tests pass, else 0; with reward.json: `reward`, else the mean
     partial: float  # fraction of final-state tests that passed (0.0 when none ran)
     passed: int
     total: int
     log: str
+    rewards: Mapping[str, float] = dataclasses.field(default_factory=dict)  # every metric the verifier wrote
+
+    def metric(self, key: str = "") -> float:
+        """The reward training uses: the verifier's metric `key` when it wrote one, else `reward`."""
+        return float(self.rewards[key]) if key and key in self.rewards else float(self.reward)
+
+
+class SandboxStartError(UserError):
+    """A task's environment could not be built or started: that task's error (an infrastructure or task
+    problem), never the policy's failure, so never a reward of 0."""
 
 
 class Sandbox(abc.ABC):
@@ -50,7 +63,7 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     def run(self, command: str, timeout: float | None = None) -> CommandResult:
-        """Run a shell command as the task's user in /home/user; kill its whole process tree on timeout."""
+        """Run a shell command as the task's user in its working folder; kill its whole process tree on timeout."""
 
     @abc.abstractmethod
     def grade(self) -> Grade:

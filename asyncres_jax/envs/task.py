@@ -2,10 +2,12 @@
 
     TASK/instruction.md                      the text given to the agent
     TASK/task.toml                           [agent]/[verifier] timeout_sec, [environment] cpus/memory_mb/...,
+                                             user/workdir (override the image's USER/WORKDIR),
                                              [metadata] (family, difficulty, ...)
-    TASK/environment/Dockerfile              or environment/setup.sh: builds /home/user
+    TASK/environment/Dockerfile              or environment/setup.sh: builds the starting state
     TASK/environment/test_initial_state.py   optional: checks the starting state
     TASK/tests/test.sh                       optional: runs the final tests, writes /logs/verifier/reward.txt
+                                             and/or reward.json (named metrics)
     TASK/tests/test_final_state.py           pytest checks of the final state (needed when there is no test.sh)
     TASK/solution/solve.sh                   optional: the oracle
 
@@ -45,6 +47,8 @@ class Task:
     cpus: int
     memory_mb: int
     storage_mb: int
+    user: str | None = None  # [environment] user: who the agent and verifier run as (None: the image's USER)
+    workdir: str | None = None  # [environment] workdir: where they start (None: the image's WORKDIR)
 
     def __hash__(self) -> int:  # config/metadata are dicts; a task is identified by its directory
         return hash(self.path)
@@ -98,6 +102,16 @@ def _number(sec: Mapping[str, Any], key: str, default: float, where: str, toml_p
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
         raise UserError(f"{toml_path}: {where}.{key} must be a positive number, got {v!r}; fix the task.toml")
     return v
+
+
+def _text(sec: Mapping[str, Any], key: str, where: str, toml_path: pathlib.Path, *, absolute: bool = False):
+    v = sec.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v.strip() or (absolute and not v.startswith("/")):
+        kind = "an absolute path" if absolute else "a non-empty string"
+        raise UserError(f"{toml_path}: {where}.{key} must be {kind}, got {v!r}; fix the task.toml")
+    return v.strip()
 
 
 def _memory_mb(env: Mapping[str, Any], toml_path: pathlib.Path) -> int:
@@ -160,6 +174,8 @@ def load_task(path: str | pathlib.Path) -> Task:
         cpus=int(_number(env, "cpus", DEFAULT_CPUS, "environment", toml_path)),
         memory_mb=_memory_mb(env, toml_path),
         storage_mb=int(_number(env, "storage_mb", DEFAULT_STORAGE_MB, "environment", toml_path)),
+        user=_text(env, "user", "environment", toml_path),
+        workdir=_text(env, "workdir", "environment", toml_path, absolute=True),
     )
 
 

@@ -55,6 +55,18 @@ def sampling_seed(global_seed: int, step: int) -> int:
     return int(np.random.SeedSequence([global_seed, step, STEP_TAG]).generate_state(1)[0])
 
 
+def _without_start_errors(rewards: np.ndarray, results, group_size: int) -> tuple[np.ndarray, int]:
+    """An episode whose sandbox never started gets its group's mean reward over the episodes that ran: no
+    advantage of its own, and the others' advantages are not pulled by a 0 the policy did not earn."""
+    failed = np.asarray([r.error is not None for r in results]).reshape(-1, group_size)
+    if not failed.any():
+        return rewards, 0
+    groups = rewards.reshape(-1, group_size).copy()
+    for row, bad in zip(groups, failed):
+        row[bad] = row[~bad].mean() if (~bad).any() else 0.0
+    return groups.reshape(-1), int(failed.sum())
+
+
 class GRPOTrainer(Trainer):
     unit = "GRPO step"
 
@@ -137,6 +149,7 @@ class GRPOTrainer(Trainer):
         results, segments = self.play([t for t in tasks for _ in range(g.group_size)],
                                       sampling_seed(cfg.seed, self.step))
         rewards = np.asarray([self.score(r) for r in results], np.float32)
+        rewards, start_errors = _without_start_errors(rewards, results, g.group_size)
         t1 = time.monotonic()
         batch = build_batch(segments, rewards.reshape(g.prompts_per_step, g.group_size), g.max_segment_tokens)
         stats = self.learner.train(batch, seed=sampling_seed(cfg.seed, self.step)) if batch.segments else {}
@@ -147,7 +160,8 @@ class GRPOTrainer(Trainer):
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "success_rate": float(np.mean([r.reward for r in results])),
             "groups_with_signal": int(np.sum(groups.max(1) > groups.min(1))),
-            "episodes": len(results), "segments": len(batch.segments), "segments_skipped": batch.skipped,
+            "episodes": len(results), "start_errors": start_errors,
+            "segments": len(batch.segments), "segments_skipped": batch.skipped,
             "tokens": int(sum(int(s.loss_mask.sum()) for s in batch.segments)),
             "turns": int(sum(r.turns for r in results)), "timeouts": int(sum(r.timed_out for r in results)),
             "rollout_seconds": t1 - t0, "train_seconds": time.monotonic() - t1,

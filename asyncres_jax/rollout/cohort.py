@@ -31,7 +31,8 @@ from asyncres_jax.errors import UserError
 from asyncres_jax.es.config import ESConfig
 from asyncres_jax.es.population import LowRankPopulation
 from asyncres_jax.rollout.coordinator import Job, JobResult
-from asyncres_jax.rollout.episodes import EpisodeConfig, EpisodeResult, ModelPolicy, format_transcript, run_episodes
+from asyncres_jax.rollout.episodes import (EpisodeConfig, EpisodeResult, ModelPolicy, fitness_of, format_transcript,
+                                           played, run_episodes)
 
 Params = Any
 
@@ -60,9 +61,9 @@ class PopulationPolicy(ModelPolicy):
 def _member_result(job: Job, results: Sequence[EpisodeResult], fitness: str, seconds: float,
                    batch_members: int) -> JobResult:
     """The JobResult rollout.jobs.episode_job_fn reports for one member, from this member's share of the batch."""
-    scores = [r.partial if fitness == "partial" else r.reward for r in results]
-    return JobResult(float(np.mean(scores)), {
+    return JobResult(fitness_of(results, fitness), {
         "episodes": len(results),
+        "start_errors": len(results) - len(played(results)),  # not played, left out of the fitness
         "tokens": sum(int(np.sum(r.tokens.generated_mask)) for r in results if r.tokens is not None),
         "successes": int(sum(r.reward for r in results)),
         "partial_sum": float(sum(r.partial for r in results)),

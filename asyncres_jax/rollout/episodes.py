@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from asyncres_jax.envs.sandbox import OUTPUT_CAP, Backend, Grade, Sandbox
+from asyncres_jax.envs.sandbox import OUTPUT_CAP, Backend, Grade, Sandbox, SandboxStartError
 from asyncres_jax.errors import UserError
 from asyncres_jax.rollout import cancel, protocol
 
@@ -41,6 +41,8 @@ class EpisodeConfig:
     max_workers: int = 16  # threads starting sandboxes, running commands and grading at once
     first_reply_prefix: str = ""  # text the first reply starts with, put in the prompt (ModelPolicy)
     command_per_line: bool = False  # the one-command-per-line scaffold for small models (ModelPolicy)
+    start_retries: int = 2  # more tries for a sandbox that fails to start; then the episode is an error
+    reward_key: str = ""  # the verifier's metric (reward.json key) taken as the reward; "": its default
 
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "output_cap", "max_workers"):
@@ -49,6 +51,8 @@ class EpisodeConfig:
         for name in ("episode_timeout_s", "command_timeout_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"episode {name}={getattr(self, name)} is not valid; it must be > 0 seconds")
+        if self.start_retries < 0:
+            raise UserError(f"episode start_retries={self.start_retries} is not valid; it must be >= 0")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise UserError(
                 f"episode sampling temperature={self.temperature}, top_p={self.top_p} is not valid; "
@@ -90,17 +94,33 @@ class EpisodeResult:
     reward: float  # 1.0 if the final-state tests pass, else 0.0 (0.0 when timed out)
     partial: float  # fraction of final-state tests that passed
     turns: int  # replies the policy wrote
-    end: str  # "done" | "max_turns" | "timeout"
+    end: str  # "done" | "max_turns" | "timeout" | "error"
     graded: bool  # False for timed-out episodes: their tests are not run
     transcript: list[Message]  # system, task, then the replies, observations and nudges in order
     commands: list[str]  # the commands that ran, in order
     tokens: TokenState | None  # None for policies without a model (scripted)
     timings: Timings
     grade: Grade | None = None
+    error: str | None = None  # the sandbox never started (after retries): not played, kept out of fitness
 
     @property
     def timed_out(self) -> bool:
         return self.end == "timeout"
+
+
+def played(results: Sequence[EpisodeResult]) -> list[EpisodeResult]:
+    """The episodes that ran: an episode whose sandbox could not start says nothing about the policy."""
+    return [r for r in results if r.error is None]
+
+
+def fitness_of(results: Sequence[EpisodeResult], fitness: str) -> float:
+    """Mean reward (fitness "binary") or partial credit ("partial") of the episodes that ran. When none ran,
+    SandboxStartError: the job fails and is re-issued (a bounded number of times) rather than scored 0."""
+    ran = played(results)
+    if not ran:
+        why = results[0].error if results else "no episodes"
+        raise SandboxStartError(f"none of the member's {len(results)} episodes could start: {why}")
+    return float(np.mean([r.partial if fitness == "partial" else r.reward for r in ran]))
 
 
 # ---------------------------------------------------------------------------------------------------- policies
@@ -282,10 +302,16 @@ class _Episode:
         return clock() - self.t0
 
 
-def _start(backend: Backend, task, clock) -> tuple[Sandbox, float]:
+def _start(backend: Backend, task, clock, retries: int) -> tuple[Sandbox | None, float, str | None]:
+    """(sandbox, seconds, None), or (None, seconds, why) when every one of 1 + retries tries failed."""
     t = clock()
-    sandbox = backend.start(task)
-    return sandbox, clock() - t
+    for attempt in range(retries + 1):
+        try:
+            return backend.start(task), clock() - t, None
+        except SandboxStartError as e:
+            if attempt == retries:
+                return None, clock() - t, str(e)
+    raise AssertionError("unreachable")
 
 
 def _grade_and_close(ep: _Episode, graded: bool, clock) -> tuple[Grade | None, float, float]:
@@ -321,13 +347,16 @@ def run_episodes(
     pool = cf.ThreadPoolExecutor(max_workers=min(len(eps), cfg.max_workers), thread_name_prefix="episode")
     starts: list[cf.Future] = []
     try:
-        starts = [pool.submit(_start, sandbox_backend, ep.task, clock) for ep in eps]
-        errors = []
-        for ep, fut in zip(eps, starts):  # collect every sandbox that did start, so `finally` closes it
+        starts = [pool.submit(_start, sandbox_backend, ep.task, clock, cfg.start_retries) for ep in eps]
+        errors, failed = [], {}
+        for i, (ep, fut) in enumerate(zip(eps, starts)):  # every sandbox that started, so `finally` closes it
             try:
-                ep.sandbox, ep.start_s = fut.result()
+                ep.sandbox, ep.start_s, why = fut.result()
             except BaseException as e:  # re-raised below once all starts are accounted for
                 errors.append(e)
+                continue
+            if why is not None:
+                failed[i], ep.end = why, "error"
         if errors:
             raise errors[0]
 
@@ -336,7 +365,7 @@ def run_episodes(
         begin_s = clock() - t0
         for ep in eps:
             ep.t0, ep.generate_s = t0, begin_s
-        live = list(range(len(eps)))
+        live = [i for i in range(len(eps)) if i not in failed]
         while live:
             cancel.check("episode batch")  # a turn boundary: stop here if the pool cancelled the job
             t = clock()
@@ -380,16 +409,16 @@ def run_episodes(
         token_states = batch.token_states()
         results = []
         for i, ep in enumerate(eps):
-            grade, grade_s, t_end = ep.finish.result()
+            grade, grade_s, t_end = ep.finish.result() if i not in failed else (None, 0.0, ep.t0)
             timings = Timings(
                 sandbox_start=ep.start_s, generate=ep.generate_s, commands=ep.commands_s, grade=grade_s,
                 total=t_end - ep.t0,
             )
             results.append(EpisodeResult(
-                task_id=ep.task.name, reward=float(grade.reward) if grade else 0.0,
+                task_id=ep.task.name, reward=grade.metric(cfg.reward_key) if grade else 0.0,
                 partial=float(grade.partial) if grade else 0.0, turns=ep.turns, end=ep.end,
                 graded=grade is not None, transcript=ep.transcript, commands=ep.commands,
-                tokens=token_states.get(i), timings=timings, grade=grade,
+                tokens=token_states.get(i), timings=timings, grade=grade, error=failed.get(i),
             ))
         return results
     finally:
@@ -406,7 +435,7 @@ def run_episodes(
         for fut in starts:  # a start that finished after an interrupt left its sandbox unclaimed
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 sandbox = fut.result()[0]
-                if all(ep.sandbox is not sandbox for ep in eps):
+                if sandbox is not None and all(ep.sandbox is not sandbox for ep in eps):
                     sandbox.close()
 
 
@@ -416,7 +445,7 @@ def format_transcript(result: EpisodeResult) -> str:
     for m in result.transcript:
         lines += [f"--- {m['role']}", m["content"]]
     score = (f"reward={result.reward:g} partial={result.partial:.2f}" if result.graded
-             else "reward=0 (timed out, not graded)")
+             else f"not played: {result.error}" if result.error else "reward=0 (timed out, not graded)")
     lines.append(f"=== {result.task_id}: {result.end} after {result.turns} turns, {score}, "
                  f"{result.timings.total:.2f} s")
     return "\n".join(lines)

@@ -122,7 +122,7 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
     Each replica gets its own generation engine, placed on the replica's sub-mesh (found from the params).
     policy_factory(engine, params, episode_cfg) -> Policy; default: rollout.episodes.ModelPolicy.from_config.
     """
-    from asyncres_jax.rollout.episodes import ModelPolicy, format_transcript, run_episodes
+    from asyncres_jax.rollout.episodes import ModelPolicy, fitness_of, format_transcript, played, run_episodes
 
     policy_factory = policy_factory or ModelPolicy.from_config
     engine_for = engines_per_mesh(model, episode_cfg.context_limit)
@@ -133,10 +133,10 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
         batch = task_batch(tasks, global_seed, job.dispatch_version, tasks_per_member)
         policy = policy_factory(engine_for(params), perturbed, episode_cfg)
         results = run_episodes(policy, batch, backend, episode_cfg, seed=job.sampling_seed)
-        scores = [r.partial if fitness == "partial" else r.reward for r in results]
         generated = sum(int(np.sum(r.tokens.generated_mask)) for r in results if r.tokens is not None)
-        return JobResult(float(np.mean(scores)), {
+        return JobResult(fitness_of(results, fitness), {
             "episodes": len(results),
+            "start_errors": len(results) - len(played(results)),  # not played, left out of the fitness
             "tokens": generated,
             "successes": int(sum(r.reward for r in results)),
             "partial_sum": float(sum(r.partial for r in results)),

@@ -3,8 +3,8 @@
 A family builds a Spec from a random generator: the starting files under /home/user, the instruction, an
 oracle shell solution, and named final-state checks (Python bodies). Rendering turns it into instruction.md,
 task.toml, environment/Dockerfile (FROM ubuntu:22.04, python3 + pytest, `useradd -m user`, files written with
-printf, chown), environment/test_initial_state.py, tests/test_final_state.py, tests/test.sh and
-solution/solve.sh.
+printf, chown, then USER user, HOME and WORKDIR /home/user), environment/test_initial_state.py,
+tests/test_final_state.py, tests/test.sh and solution/solve.sh.
 """
 
 from __future__ import annotations
@@ -142,7 +142,9 @@ def dockerfile(spec: Spec) -> str:
     attrs += [f"touch -h -d @{f.mtime} {q(f'{HOME}/{f.path}')}" for f in spec.files if f.mtime is not None]
     if attrs:
         out += ["", "RUN " + " && \\\n    ".join(attrs)]
-    out += ["", "RUN chown -R user:user /home/user && chmod 755 /home/user", "", "WORKDIR /home/user", ""]
+    # the Endless Terminals convention, spelled out for backends that run tasks as their image says (Harbor's)
+    out += ["", "RUN chown -R user:user /home/user && chmod 755 /home/user", "", "USER user",
+            "ENV HOME=/home/user", "WORKDIR /home/user", ""]
     return "\n".join(out)
 
 
