@@ -241,7 +241,9 @@ def ensure_tasks(cfg: TrainConfig) -> pathlib.Path:
 
 
 def make_backend(cfg: TrainConfig):
-    if cfg.sandbox.backend == "docker":
+    from asyncres_jax.envs import choose_backend
+
+    if choose_backend(cfg.sandbox.backend) == "docker":
         from asyncres_jax.envs.docker_backend import DockerBackend, DockerConfig
 
         return DockerBackend(DockerConfig(command_timeout_s=cfg.episode.command_timeout_s))
@@ -257,6 +259,14 @@ def es_config(cfg: TrainConfig) -> es.ESConfig:
     e = cfg.es
     return es.ESConfig(population=e.population, sigma=e.sigma, alpha=e.alpha, noise=e.noise, rank=e.rank,
                        shaping=e.shaping, antithetic=e.antithetic, optimizer=e.optimizer)
+
+
+def rollout_workers(population: int, replicas: int, per_replica: int) -> tuple[int, int]:
+    """(replicas used, workers per replica). A cohort needs more members than jobs in flight (N > workers), so
+    pool.workers_per_replica is an upper bound: a large mesh gets fewer workers per replica, and with more
+    replicas than N - 1 only N - 1 of them run jobs (the configured bound holds on a small mesh)."""
+    per = max(1, min(per_replica, (population - 1) // replicas))
+    return max(1, min(replicas, (population - 1) // per)), per
 
 
 def pool_config(cfg: TrainConfig, num_workers: int) -> PoolConfig:
@@ -333,7 +343,13 @@ class ESTrainer:
         pseeds = (lambda g, v, i: es.member_seed(g, v, i // 2)) if cfg.es.antithetic else es.member_seed
         replicas = self._replicas()
         ray = cfg.pool.backend == "ray"  # one actor per replica, or pool.ray_actors of them
-        n_workers = (cfg.pool.ray_actors or len(replicas)) if ray else len(replicas) * cfg.pool.workers_per_replica
+        used, self.workers_per_replica = rollout_workers(cfg.es.population, len(replicas),
+                                                         cfg.pool.workers_per_replica)
+        if not ray and (used, self.workers_per_replica) != (len(replicas), cfg.pool.workers_per_replica):
+            log(f"population N={cfg.es.population} on {len(replicas)} replicas: {used} replicas x "
+                f"{self.workers_per_replica} workers run jobs (N must exceed the workers)")
+            replicas = replicas[:used]
+        n_workers = (cfg.pool.ray_actors or len(replicas)) if ray else len(replicas) * self.workers_per_replica
         self.coordinator = Coordinator(pool_config(cfg, n_workers), pseeds)
         self.checkpointer = Checkpointer(self.run_dir / CHECKPOINTS, cfg.checkpoint.keep, report=log)
         self.elapsed0, self.ckpt_step, metrics_step = 0.0, 0, 0
@@ -361,7 +377,7 @@ class ESTrainer:
                 job_fn = fake_job_fn(self.model.config, self.es_cfg) if fake else self._episode_job(dataset)
             job_fn = distributed.share_results(job_fn)  # across processes: each job runs in one, all get its result
             self.pool = RolloutPool(self.coordinator, self.store, job_fn, replicas=replicas,
-                                    workers_per_replica=cfg.pool.workers_per_replica, on_commit=self._on_commit)
+                                    workers_per_replica=self.workers_per_replica, on_commit=self._on_commit)
         except BaseException:  # nothing may stay behind: the sandbox backend's folders, open files
             if self.backend is not None:
                 self.backend.close()
@@ -430,7 +446,7 @@ class ESTrainer:
             batch = task_batch(tasks, cfg.seed, jobs[0].dispatch_version, cfg.es.tasks_per_member)
             return run_cohort(engine_for(params), params, jobs, batch, self.backend, episode_cfg, self.es_cfg,
                               fitness=cfg.episode.fitness)
-        return JobBatcher(batch_fn, max_batch=cfg.pool.workers_per_replica)
+        return JobBatcher(batch_fn, max_batch=self.workers_per_replica)
 
     # -- checkpoints -----------------------------------------------------------------------------------
 
@@ -507,7 +523,7 @@ class ESTrainer:
             log(f"{self.run_dir} already holds {self.store.version} updates (es.updates={cfg.es.updates})")
             return self.store.version
         log(f"training {self.model!r} on mesh {self.mesh.shape['data']}x{self.mesh.shape['model']}: "
-            f"{len(self.pool.replicas)} replicas x {cfg.pool.workers_per_replica} workers, "
+            f"{len(self.pool.replicas)} replicas x {self.workers_per_replica} workers, "
             f"update {self.store.version} -> {cfg.es.updates}")
         for hook in self.before_run_hooks:
             hook(self)
