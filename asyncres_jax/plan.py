@@ -19,11 +19,11 @@ import json
 import math
 import pathlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from asyncres_jax import es
@@ -248,7 +248,9 @@ def plan_grpo(masters, mcfg: ModelConfig, cfg: TrainConfig, mesh) -> tuple[Progr
     shardings = jax.tree.map(lambda x: x.sharding, masters)
     _, grad_fn, apply_fn = step_functions(mcfg, hp, shardings)
     by_row = NamedSharding(mesh, P("data", None))
-    bt = lambda dt: jax.ShapeDtypeStruct((rows, tokens - 1), dt, sharding=by_row)  # noqa: E731
+
+    def bt(dt):
+        return jax.ShapeDtypeStruct((rows, tokens - 1), dt, sharding=by_row)
     grad = compile_program("grpo gradient", lambda: jax.jit(grad_fn).lower(
         masters, jax.ShapeDtypeStruct((rows, tokens), jnp.int32, sharding=by_row), bt(jnp.float32), bt(jnp.float32),
         jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=NamedSharding(mesh, P("data"))), bt(jnp.float32)))
@@ -364,13 +366,3 @@ def run(cfg: TrainConfig, accelerator: str = "h100", devices=None) -> int:
     print("\n".join(format_plan(plan)), flush=True)
     check_fits(plan, cfg.algo)
     return 0
-
-
-def roofline_numbers(plan: Plan) -> dict:
-    """The plan's headline numbers (scripts/gpu_smoke.sh compares the measured ones with these)."""
-    t = plan.decode_roofline_s()
-    return {"decode_tokens_per_s": plan.batch / t, "decode_step_s": t, "params_bytes": plan.master_bytes,
-            "rollout_bytes": plan.rollout_bytes, "kv_bytes": plan.kv_bytes,
-            "es_update_temporaries": plan.es_update.temporaries if plan.es_update else None,
-            "batch": plan.batch, "slots": plan.slots, "flops_per_step": plan.decode.flops,
-            "bytes_per_step": plan.decode.bytes_accessed, "n_params": int(np.asarray(plan.n_params))}

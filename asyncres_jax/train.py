@@ -138,7 +138,7 @@ def _main(argv: list[str]) -> int:
         limit_malloc_arenas()
         _setup_devices(ns.cpu_devices)
         distributed.initialize(distributed.resolve(ns.coordinator, ns.num_processes, ns.process_id))
-    import jax  # noqa: F401 - after the device flags
+    import jax  # after the device flags
 
     _compilation_cache()
     from asyncres_jax import trainer

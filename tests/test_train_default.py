@@ -61,8 +61,8 @@ def test_a_mesh_larger_than_the_machine_is_one_line_naming_cpu_devices(capsys, t
     code = train.main([*args, f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0] == ("error: mesh {0} needs 16 devices but this machine has 8; meshes that fit: 1x1, 8x1, 4x2, 2x4, "
-                      "1x8; or simulate 16 CPU devices with --cpu-devices 16").format(args[1])
+    assert err[0] == (f"error: mesh {args[1]} needs 16 devices but this machine has 8; meshes that fit: 1x1, 8x1, "
+                      "4x2, 2x4, 1x8; or simulate 16 CPU devices with --cpu-devices 16")
     assert not (tmp_path / "run").exists()
 
 
