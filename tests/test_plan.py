@@ -98,3 +98,11 @@ def test_qwen2_5_7b_meshes_that_do_not_fit_are_one_line(capsys, args, fragment):
     code = train.main(["--config", "configs/qwen2_5_7b_async1.yaml", "--plan", f"model.name={QWEN_7B}", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: ") and fragment in err[-1]
+
+
+def test_model_config_comes_from_headers_alone(tmp_path):
+    smollm2 = plan.model_config("smollm2-135m-instruct")  # the GGUF file's header
+    assert (smollm2.hidden_size, smollm2.num_layers, smollm2.num_kv_heads) == (576, 30, 3)
+    assert plan.model_config(str(QWEN_7B / "config.json")) == plan.model_config(str(QWEN_7B))
+    with pytest.raises(UserError, match="not a model folder with a config.json"):
+        plan.model_config(str(tmp_path / "missing"))
