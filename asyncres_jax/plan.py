@@ -306,8 +306,8 @@ def make_plan(cfg: TrainConfig, accelerator: str = "h100", devices=None, program
     if "grpo" in programs:
         grad, apply, rows = plan_grpo(masters, mcfg, cfg, mesh)
     kv = device_bytes(cache)
-    return Plan(model=cfg.model.name, config=mcfg, n_params=n_params, mesh=(d, m), accelerator=acc, batch=batch, slots=slots,
-                master_bytes=device_bytes(masters), rollout_bytes=device_bytes(rollout_params), kv_bytes=kv,
+    return Plan(model=cfg.model.name, config=mcfg, n_params=n_params, mesh=(d, m), accelerator=acc, batch=batch,
+                slots=slots, master_bytes=device_bytes(masters), rollout_bytes=device_bytes(rollout_params), kv_bytes=kv,
                 kv_row_bytes=kv / batch, decode=decode, es_update=es_update, grpo_grad=grad, grpo_apply=apply,
                 grpo_rows=rows)
 
