@@ -67,6 +67,7 @@ def test_a_mesh_larger_than_the_machine_is_one_line_naming_cpu_devices(capsys, t
 
 
 @pytest.mark.bwrap
+@pytest.mark.slow  # ~3 CPU-minutes; ~8 GB: the float32 masters are replicated on all 8 simulated devices
 def test_the_cpu_default_runs_to_the_end_on_an_8x1_mesh(tmp_path, capsys):
     bwrap_or_skip()
     run = tmp_path / "run"
