@@ -67,14 +67,17 @@ def test_a_mesh_larger_than_the_machine_is_one_line_naming_cpu_devices(capsys, t
 
 
 @pytest.mark.bwrap
-@pytest.mark.slow  # ~3 CPU-minutes; ~8 GB: the float32 masters are replicated on all 8 simulated devices
-def test_the_cpu_default_runs_to_the_end_on_an_8x1_mesh(tmp_path, capsys):
+@pytest.mark.parametrize("model", [
+    pytest.param(["model.name=tiny"], id="tiny"),  # the same run with the tiny random model: fits any test machine
+    pytest.param([], id="smollm2", marks=pytest.mark.slow),  # ~3 CPU-minutes, ~8 GB: float32 masters on 8 devices
+])
+def test_the_cpu_default_runs_to_the_end_on_an_8x1_mesh(tmp_path, capsys, model):
     bwrap_or_skip()
     run = tmp_path / "run"
     code = train.main(["--config", "configs/smollm2_cpu.yaml", "--mesh", "8x1", "--cpu-devices", "8",
                        f"run_dir={run}", f"tasks.dataset={tmp_path / 'tasks'}", "tasks.generate_n=120",
                        "es.updates=1", "es.tasks_per_member=2", "eval.every=0", "eval.test_tasks=2",
-                       "episode.max_new_tokens=16"])
+                       "episode.max_new_tokens=16", *model])
     assert code == 0
     (record,) = metrics.read(run)
     assert record["update"] == 1 and record["episodes"] == 8 * 2
