@@ -21,6 +21,7 @@ BENCHMARKS = {
     "docker": "docker sandbox latency and image build time",
     "episodes": "throughput of parallel scripted episodes",
     "grpo": "memory and time of one GRPO learner step (SmolLM2), XLA's estimate for Qwen2.5-7B",
+    "smoke": "one accelerator, random model-shaped weights: decode tokens/s, an ES update, peak memory vs the plan",
     "comm": "keeping rollout replicas current: seeds+fitness bytes vs weight broadcast, replay time per member",
 }
 

@@ -97,11 +97,12 @@ class EpisodeSection:
 
 @dataclass
 class SandboxSection:
-    backend: str = opt("bwrap", "bwrap (daemonless) or docker (any Docker-API engine via DOCKER_HOST)")
+    backend: str = opt("bwrap", "bwrap (daemonless), docker (any Docker-API engine via DOCKER_HOST) or auto (bwrap "
+                                "where it isolates, else docker where an engine answers)")
     max_parallel: int = opt(16, "sandboxes alive at once")
 
     def __post_init__(self):
-        _choice("sandbox", "backend", self.backend, ("bwrap", "docker"))
+        _choice("sandbox", "backend", self.backend, ("bwrap", "docker", "auto"))
         _positive("sandbox", "max_parallel", self.max_parallel)
 
 
@@ -153,7 +154,8 @@ class PoolSection:
     pace_admission: bool = opt(False, "async: start a job only if its result is sure to be accepted; cohorts "
                                "are formed in dispatch order and a commit waits for its slowest job (nothing "
                                "dropped or cancelled, no bias toward fast episodes, idle workers instead)")
-    workers_per_replica: int = opt(1, "worker threads sharing one model replica")
+    workers_per_replica: int = opt(1, "worker threads sharing one model replica, at most: fewer on a mesh whose "
+                                      "replicas x workers would reach es.population (N must exceed the workers)")
     job_deadline_s: float = opt(3600.0, "a job running longer is re-issued with the same seed")
     backend: str = opt("threads", "threads (replicas on this process's devices) or ray (one Ray actor per replica)")
     ray_address: str = opt("", "ray: an existing cluster ('auto' or host:port); empty starts a local one")

@@ -42,7 +42,8 @@ CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS, LOCK_FILE = "config.yaml", "manifest.js
 # Keys that may change between sessions of one run: where it runs and how long it goes on.
 SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps", "pool.backend", "pool.ray_address", "pool.ray_actors",
                 "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor", "eval.base_from")
-ADDED_KEYS = ("es.divide_by_sigma", "es.weight_decay", "es.adam_b1", "es.adam_b2", "es.adam_eps")
+ADDED_KEYS = ("es.divide_by_sigma", "es.weight_decay", "es.adam_b1", "es.adam_b2", "es.adam_eps", "episode.reward_key",
+              "episode.start_retries", "pool.pace_admission")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
             "safetensors", "omegaconf", "asyncres-jax")
 
@@ -273,7 +274,9 @@ def train_tasks(cfg: TrainConfig, dataset: pathlib.Path) -> list:
 
 
 def make_backend(cfg: TrainConfig):
-    if cfg.sandbox.backend == "docker":
+    from asyncres_jax.envs import choose_backend
+
+    if choose_backend(cfg.sandbox.backend) == "docker":
         from asyncres_jax.envs.docker_backend import DockerBackend, DockerConfig
 
         return DockerBackend(DockerConfig(command_timeout_s=cfg.episode.command_timeout_s))

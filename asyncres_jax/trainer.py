@@ -36,6 +36,14 @@ from asyncres_jax.run import (Trainer, ensure_tasks, load_policy_model, log, mak
                               run_to_end, train_tasks)
 
 
+def rollout_workers(population: int, replicas: int, per_replica: int) -> tuple[int, int]:
+    """(replicas used, workers per replica). A cohort needs more members than jobs in flight (N > workers), so
+    pool.workers_per_replica is an upper bound: a large mesh gets fewer workers per replica, and with more
+    replicas than N - 1 only N - 1 of them run jobs (the configured bound holds on a small mesh)."""
+    per = max(1, min(per_replica, (population - 1) // replicas))
+    return max(1, min(replicas, (population - 1) // per)), per
+
+
 def pool_config(cfg: TrainConfig, num_workers: int) -> PoolConfig:
     p = cfg.pool
     controlled = p.mode == "controlled"
@@ -56,9 +64,9 @@ def check_supported(cfg: TrainConfig) -> None:
         raise UserError("es.antithetic=true needs pool.mode=sync: a pair's two results must land in one cohort")
 
 
-def job_fn_for(cfg: TrainConfig, model, dataset: pathlib.Path | None):
+def job_fn_for(cfg: TrainConfig, model, dataset: pathlib.Path | None, workers_per_replica: int = 1):
     """(the config's ES job function on `model`, its sandbox backend or None): the fake environment, or the
-    train split's episodes in a new backend."""
+    train split's episodes in a new backend; a batched population plays up to `workers_per_replica` jobs at once."""
     es_cfg = cfg.es.core()
     if dataset is None:
         return fake_job_fn(model.config, es_cfg), None
@@ -69,7 +77,7 @@ def job_fn_for(cfg: TrainConfig, model, dataset: pathlib.Path | None):
         return es_job_fn(model, tasks, backend, episode_cfg, es_cfg, global_seed=cfg.seed,
                          tasks_per_member=cfg.es.tasks_per_member, fitness=cfg.episode.fitness,
                          batched_population=cfg.es.batched_population,
-                         workers_per_replica=cfg.pool.workers_per_replica), backend
+                         workers_per_replica=workers_per_replica), backend
     except BaseException:
         backend.close()
         raise
@@ -97,7 +105,13 @@ class ESTrainer(Trainer):
         replicas = replicas_from_mesh(self.mesh, lambda sub: param_shardings(self.model.params, self.model.config, sub),
                                       jnp.dtype(cfg.model.rollout_dtype), owned=distributed.is_local)
         ray = cfg.pool.backend == "ray"  # one actor per replica, or pool.ray_actors of them
-        n_workers = (cfg.pool.ray_actors or len(replicas)) if ray else len(replicas) * cfg.pool.workers_per_replica
+        used, self.workers_per_replica = rollout_workers(cfg.es.population, len(replicas),
+                                                         cfg.pool.workers_per_replica)
+        if not ray and (used, self.workers_per_replica) != (len(replicas), cfg.pool.workers_per_replica):
+            log(f"population N={cfg.es.population} on {len(replicas)} replicas: {used} replicas x "
+                f"{self.workers_per_replica} workers run jobs (N must exceed the workers)")
+            replicas = replicas[:used]
+        n_workers = (cfg.pool.ray_actors or len(replicas)) if ray else len(replicas) * self.workers_per_replica
         self.coordinator = Coordinator(pool_config(cfg, n_workers), pseeds)
         self._open_records(continuing=continuing, resume=resume, argv=argv)
         try:
@@ -107,10 +121,10 @@ class ESTrainer(Trainer):
                 self.pool = ray_pool(cfg, self.coordinator, self.store, on_commit=self._on_commit)
                 return
             if job_fn is None:
-                job_fn, self.backend = job_fn_for(cfg, self.model, dataset)
+                job_fn, self.backend = job_fn_for(cfg, self.model, dataset, self.workers_per_replica)
             job_fn = distributed.share_results(job_fn)  # across processes: each job runs in one, all get its result
             self.pool = RolloutPool(self.coordinator, self.store, job_fn, replicas=replicas,
-                                    workers_per_replica=cfg.pool.workers_per_replica, on_commit=self._on_commit)
+                                    workers_per_replica=self.workers_per_replica, on_commit=self._on_commit)
         except BaseException:  # nothing may stay behind: the sandbox backend's folders, open files
             Trainer.close(self)
             raise
@@ -174,7 +188,7 @@ class ESTrainer(Trainer):
             log(f"{self.run_dir} already holds {self.store.version} updates (es.updates={cfg.es.updates})")
             return self.store.version
         log(f"training {self.model!r} on mesh {self.mesh.shape['data']}x{self.mesh.shape['model']}: "
-            f"{len(self.pool.replicas)} replicas x {cfg.pool.workers_per_replica} workers, "
+            f"{len(self.pool.replicas)} replicas x {self.workers_per_replica} workers, "
             f"update {self.store.version} -> {cfg.es.updates}")
         for hook in self.before_run_hooks:
             hook(self)
@@ -248,7 +262,8 @@ def build_replica(cfg_yaml: str):
     (replica,) = replicas_from_mesh(model.mesh, lambda sub: param_shardings(model.params, model.config, sub),
                                     jnp.dtype(cfg.model.rollout_dtype))
     dataset = None if cfg.tasks.dataset == FAKE else pathlib.Path(cfg.tasks.dataset)
-    job_fn, backend = job_fn_for(cfg, model, dataset)  # with this actor's model and its own sandbox backend
+    # with this actor's model and its own sandbox backend
+    job_fn, backend = job_fn_for(cfg, model, dataset, cfg.pool.workers_per_replica)
     return ReplicaState(version, replica.place(params), job_fn, replay_fn(cfg.es.core(), cfg.model.rollout_dtype),
                         replica.place, backend.close if backend is not None else (lambda: None))
 

@@ -72,6 +72,30 @@ def policy_logprobs(params, cfg: ModelConfig, tokens_bt, temperature) -> jax.Arr
     return token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:], temperature)
 
 
+def step_functions(cfg: ModelConfig, hp: GRPOHyper, shardings=None):
+    """(logprobs_fn, grad_fn, apply_fn), the programs of one optimiser step, to jit: the log-probs of rows, one
+    micro-batch's loss gradient (constrained to the parameters' shardings when given) and the AdamW update."""
+    tx = make_optimizer(hp)
+    constrain = (lambda t: t) if shardings is None else functools.partial(jax.lax.with_sharding_constraint,
+                                                                          shardings=shardings)
+    temperature = hp.logprob_temperature
+
+    def logprobs_fn(p, tokens_bt):
+        return policy_logprobs(p, cfg, tokens_bt, temperature)
+
+    def grad_fn(p, tokens_bt, old_bt, ref_bt, adv_b, weight_bt):
+        def loss_fn(q):
+            logp_bt = policy_logprobs(q, cfg, tokens_bt, temperature)
+            return grpo_loss(logp_bt, old_bt, ref_bt, adv_b, weight_bt, clip_eps=hp.clip_eps, kl_coef=hp.kl_coef)
+        (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
+        return constrain(g), {**aux, "loss": loss}
+
+    def apply_fn(p, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, optax.tree.norm(grads)
+    return logprobs_fn, grad_fn, apply_fn
+
+
 class Learner:
     """Float32 master parameters, the frozen reference (the initial model) and the AdamW state, on a mesh."""
 
@@ -86,25 +110,7 @@ class Learner:
         self.tx = make_optimizer(hp)
         self.opt_state = self.place_state(jax.jit(self.tx.init)(self.params))
         self.steps = 0  # optimiser steps taken
-        constrain = ((lambda t: t) if mesh is None
-                     else functools.partial(jax.lax.with_sharding_constraint, shardings=self.shardings))
-        temperature = hp.logprob_temperature
-
-        def logprobs_fn(p, tokens_bt):
-            return policy_logprobs(p, cfg, tokens_bt, temperature)
-
-        def grad_fn(p, tokens_bt, old_bt, ref_bt, adv_b, weight_bt):
-            def loss_fn(q):
-                logp_bt = policy_logprobs(q, cfg, tokens_bt, temperature)
-                return grpo_loss(logp_bt, old_bt, ref_bt, adv_b, weight_bt, clip_eps=hp.clip_eps,
-                                 kl_coef=hp.kl_coef)
-            (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
-            return constrain(g), {**aux, "loss": loss}
-
-        def apply_fn(p, opt_state, grads):
-            updates, opt_state = self.tx.update(grads, opt_state, p)
-            return optax.apply_updates(p, updates), opt_state, optax.tree.norm(grads)
-
+        logprobs_fn, grad_fn, apply_fn = step_functions(cfg, hp, self.shardings)
         self._logprobs = jax.jit(logprobs_fn)
         self._grad = jax.jit(grad_fn)
         self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
