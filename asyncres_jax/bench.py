@@ -22,6 +22,7 @@ BENCHMARKS = {
     "episodes": "throughput of parallel scripted episodes",
     "grpo": "memory and time of one GRPO learner step (SmolLM2), XLA's estimate for Qwen2.5-7B",
     "comm": "keeping rollout replicas current: seeds+fitness bytes vs weight broadcast, replay time per member",
+    "update": "seconds per ES update of a config, by phase, vs a plain generation of the same tokens (the floor)",
 }
 
 
