@@ -40,10 +40,14 @@ def _parse(argv):
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides, e.g. tasks.dataset=DIR pool.mode=sync")
     ap.add_argument("--floor-repeats", type=int, default=2, help="timed floor generations after one to compile")
+    ap.add_argument("--run-dir", help="train into this new directory and keep it (its metrics.jsonl holds every "
+                                      "update's phases even if the benchmark is stopped); default: a temporary one")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.updates < 1 or args.warmup < 0 or args.floor_repeats < 1:
         raise UserError("--updates and --floor-repeats must be at least 1 and --warmup at least 0")
+    if args.run_dir and pathlib.Path(args.run_dir).exists():
+        raise UserError(f"--run-dir {args.run_dir} exists; give a new directory")
     if not pathlib.Path(args.config).is_file():
         raise UserError(f"--config {args.config} does not exist; give a run config such as {DEFAULT_CONFIG}")
     return args
@@ -88,7 +92,7 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     total = args.warmup + args.updates
     with tempfile.TemporaryDirectory(prefix="bench_update_") as tmp:
-        run_dir = pathlib.Path(tmp) / "run"
+        run_dir = pathlib.Path(args.run_dir or pathlib.Path(tmp) / "run")
         cfg = load_config(args.config, [f"run_dir={run_dir}", f"es.updates={total}", "eval.every=0",
                                         f"checkpoint.every={total}", *args.set])
         if cfg.algo != "es":

@@ -41,6 +41,7 @@ class EpisodeConfig:
     max_workers: int = 16  # threads starting sandboxes, running commands and grading at once
     first_reply_prefix: str = ""  # text the first reply starts with, put in the prompt (ModelPolicy)
     command_per_line: bool = False  # the one-command-per-line scaffold for small models (ModelPolicy)
+    system_prompt: str = "full"  # protocol.SYSTEM_PROMPTS: "full" (the protocol's rules) or "short"
 
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "output_cap", "max_workers"):
@@ -54,6 +55,9 @@ class EpisodeConfig:
                 f"episode sampling temperature={self.temperature}, top_p={self.top_p} is not valid; "
                 "use temperature >= 0 and 0 < top_p <= 1"
             )
+        if self.system_prompt not in protocol.SYSTEM_PROMPTS:
+            raise UserError(f"episode system_prompt={self.system_prompt!r} is not one of "
+                            f"{', '.join(protocol.SYSTEM_PROMPTS)}")
 
     @classmethod
     def from_sections(cls, episode: Any, sandbox: Any = None) -> "EpisodeConfig":
@@ -347,7 +351,7 @@ def run_episodes(
     if not tasks:
         return []
     t_begin, spent = clock(), dict.fromkeys(PHASES, 0.0)
-    eps = [_Episode(task=t, transcript=protocol.first_messages(t.instruction)) for t in tasks]
+    eps = [_Episode(task=t, transcript=protocol.first_messages(t.instruction, cfg.system_prompt)) for t in tasks]
     pool = cf.ThreadPoolExecutor(max_workers=min(len(eps), cfg.max_workers), thread_name_prefix="episode")
     starts: list[cf.Future] = []
     try:
