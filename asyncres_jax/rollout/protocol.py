@@ -34,7 +34,10 @@ After each command you will see its output and exit code. Rules:
 
 # For the one-command-per-line scaffold (the reply's "<command>" is given, the harness closes the tag), where the
 # tag rules above are moot: ~40 prompt tokens instead of ~300, so a prompt fits one 64-token prefill block.
-SHORT_SYSTEM_PROMPT = "Linux terminal, home /home/user. Reply with one shell command, or done when the task is complete."
+SHORT_SYSTEM_PROMPT = (
+    "You are an agent operating a Linux terminal as an unprivileged user whose home is /home/user. Reply with one "
+    "shell command inside <command></command> tags, for example <command>ls -la /home/user</command>, or with "
+    "<action>done</action> once the task is complete.")
 SYSTEM_PROMPTS = {"full": SYSTEM_PROMPT, "short": SHORT_SYSTEM_PROMPT}
 
 NUDGE = (
