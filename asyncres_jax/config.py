@@ -80,7 +80,7 @@ class EpisodeSection:
                                       "small model that ignores the tag format into running a command)")
     command_per_line: bool = opt(False, "scaffold for small models: every reply is '<command>' (given) + one "
                                         "generated line, closed by the harness; a line saying done ends the episode")
-    system_prompt: str = opt("full", "full (the protocol's rules, ~270 tokens) or short (~20 tokens, for the "
+    system_prompt: str = opt("full", "full (the protocol's rules, ~270 tokens) or short (~70 tokens, for the "
                                      "one-command-per-line scaffold)")
 
     def __post_init__(self):

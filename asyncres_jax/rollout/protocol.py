@@ -32,8 +32,9 @@ After each command you will see its output and exit code. Rules:
 - Check your work (list files, print contents, run the script) before you declare the task done.
 """
 
-# For the one-command-per-line scaffold (the reply's "<command>" is given, the harness closes the tag), where the
-# tag rules above are moot: ~40 prompt tokens instead of ~300, so a prompt fits one 64-token prefill block.
+# For the one-command-per-line scaffold (the reply's "<command>" is given, the harness closes the tag), where most
+# rules above are moot: ~100 prompt tokens instead of ~300 (one 128-slot prefill block instead of 384 slots). Its
+# example command matters: without one SmolLM2-135M answers every prompt with an empty line.
 SHORT_SYSTEM_PROMPT = (
     "You are an agent operating a Linux terminal as an unprivileged user whose home is /home/user. Reply with one "
     "shell command inside <command></command> tags, for example <command>ls -la /home/user</command>, or with "
