@@ -86,10 +86,10 @@ PHASES = ("sandbox_start", "prefill", "decode", "host", "commands", "grading", "
 COUNTS = ("prefill_tokens", "prefill_slots", "decode_steps")  # the engine's, beside the phases
 
 
-def add_phases(total: dict[str, float], more: dict[str, float], scale: float = 1.0) -> dict[str, float]:
-    """total[k] += scale * more[k] for every key of `more` (in place); returns total."""
+def add_phases(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """total[k] += more[k] for every key of `more` (in place); returns total."""
     for k, v in more.items():
-        total[k] = total.get(k, 0.0) + scale * v
+        total[k] = total.get(k, 0.0) + v
     return total
 
 
@@ -369,7 +369,6 @@ def run_episodes(
         spent["sandbox_start"] = t0 - t_begin
         batch = policy.begin([ep.transcript for ep in eps], seed)  # a model prefills the prompts here
         begin_s = clock() - t0
-        policy_s = begin_s
         for ep in eps:
             ep.t0, ep.generate_s = t0, begin_s
         live = list(range(len(eps)))
@@ -377,7 +376,6 @@ def run_episodes(
             t = clock()
             replies = batch.step(live, [eps[i].pending for i in live])
             gen_s = clock() - t
-            policy_s += gen_s
             if len(replies) != len(live):
                 raise RuntimeError(f"policy wrote {len(replies)} replies for {len(live)} live episodes")
             runs = []
