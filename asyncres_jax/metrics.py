@@ -110,7 +110,7 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
 
 
 def phases_line(phases: dict) -> str:
-    """The progress bar's detail: seconds per phase, those over 2% of the total (e.g. "prefill 61|decode 22|wait 3.5")."""
+    """The progress bar's detail: seconds per phase over 2% of the total (e.g. "prefill 61|decode 22|wait 3.5")."""
     total = sum(phases.values()) or 1.0
     return "|".join(f"{PHASE_LABELS.get(k, k)} {v:.{0 if v >= 10 else 1}f}" for k, v in phases.items()
                     if v >= 0.02 * total)
