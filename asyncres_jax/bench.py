@@ -23,6 +23,7 @@ BENCHMARKS = {
     "grpo": "memory and time of one GRPO learner step (SmolLM2), XLA's estimate for Qwen2.5-7B",
     "smoke": "one accelerator, random model-shaped weights: decode tokens/s, an ES update, peak memory vs the plan",
     "comm": "keeping rollout replicas current: seeds+fitness bytes vs weight broadcast, replay time per member",
+    "update": "seconds per ES update of a config, by phase, vs a plain generation of the same tokens (the floor)",
 }
 
 

@@ -5,7 +5,8 @@
   the file is cut back to it, so updates that are redone after a crash are not logged twice);
 - RUN_DIR/tb/: TensorBoard event files (tensorboardX, no TensorFlow): train/* scalars, the staleness histogram,
   and eval/<split>/* from `write_eval`;
-- a live progress bar on stderr (tqdm): update, fitness, validation success, staleness, tokens/s and the ETA;
+- a live progress bar on stderr (tqdm): update, fitness, validation success, staleness, tokens/s, where the
+  update's wall clock went (the phases below) and the ETA;
 - RUN_DIR/transcripts/update_NNNNN.txt: a sample of episode transcripts of the update.
 """
 
@@ -19,6 +20,8 @@ import threading
 from typing import Any, Iterable
 
 import numpy as np
+
+from asyncres_jax.rollout.episodes import PHASES as EPISODE_PHASES
 
 FILENAME = "metrics.jsonl"
 TB_DIR, TRANSCRIPTS_DIR = "tb", "transcripts"
@@ -41,14 +44,39 @@ def _plain(x: Any) -> Any:
     return x
 
 
+# Where an ES update's wall clock went, in seconds that add up to it (`phases` of a record). The episode phases
+# (rollout.episodes.PHASES) and replica_sync (a worker bringing its replica's weights to the job's version) are
+# worker-seconds of the cohort's results divided by the number of workers: with W workers, W seconds of work in a
+# phase count as one second of the update's wall clock. es_step is the learner's step that ran within this update's
+# wall clock (the previous cohort's: an update's clock runs from one commit to the next). waiting is the rest:
+# workers idle or queued (for the learner step, for company in a batch, on dropped or failed attempts).
+PHASES = EPISODE_PHASES + ("replica_sync", "es_step", "waiting")
+PHASE_LABELS = dict(zip(PHASES, ("start", "prefill", "decode", "host", "cmd", "grade", "teardown", "sync", "es",
+                                 "wait")))
+
+
+def update_phases(stats: Iterable[dict], wall_seconds: float, num_workers: int, learner_seconds: float) -> dict:
+    """Seconds per PHASES of one update's wall clock, from its results' stats (see PHASES)."""
+    out = dict.fromkeys(PHASES, 0.0)
+    for s in stats:
+        for k, v in (s.get("phases") or {}).items():
+            out[k] += v / num_workers
+        out["replica_sync"] += s.get("sync_seconds", 0.0) / num_workers
+    out["es_step"] = float(learner_seconds)
+    out["waiting"] = max(0.0, wall_seconds - sum(out.values()))
+    return out
+
+
 def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metrics: Any, stats: Iterable[dict],
-                  elapsed_s: float) -> dict:
+                  elapsed_s: float, *, num_workers: int = 1, learner_seconds: float = 0.0) -> dict:
     """The record of one committed ES update.
 
     update: the version this update published; fitness/staleness: the cohort's values; metrics: the
-    coordinator's UpdateMetrics; stats: each result's JobResult.stats (summed where numeric: tokens, episodes).
+    coordinator's UpdateMetrics; stats: each result's JobResult.stats (summed where numeric: tokens, episodes);
+    num_workers: the pool's worker threads; learner_seconds: the learner step within this update (see PHASES).
     """
     fitness = np.asarray(fitness, np.float64)
+    stats = list(stats)
     totals: dict[str, float] = {}
     for s in stats:
         for k, v in s.items():
@@ -76,7 +104,18 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
         "tokens_per_second": float(totals.get("tokens", 0) / metrics.wall_seconds) if metrics.wall_seconds else 0.0,
         "successes": int(totals.get("successes", 0)),
         "start_errors": int(totals.get("start_errors", 0)),  # episodes whose sandbox never started: not scored
+        # prompt and observation tokens the generation engine prefilled (and the padded block cells it computed)
+        "prefill_tokens": int(round(totals.get("prefill_tokens", 0))),
+        "prefill_slots": int(round(totals.get("prefill_slots", 0))),
+        "phases": update_phases(stats, float(metrics.wall_seconds), num_workers, learner_seconds),
     }
+
+
+def phases_line(phases: dict) -> str:
+    """The progress bar's detail: seconds per phase over 2% of the total (e.g. "prefill 61|decode 22|wait 3.5")."""
+    total = sum(phases.values()) or 1.0
+    return "|".join(f"{PHASE_LABELS.get(k, k)} {v:.{0 if v >= 10 else 1}f}" for k, v in phases.items()
+                    if v >= 0.02 * total)
 
 
 # progress-bar fields: name -> (record key, format); a record shows those it has (ES updates, GRPO steps)
@@ -134,6 +173,8 @@ class MetricsWriter:
             if self._bar is not None:
                 self._postfix.update({name: f"{record[key]:{fmt}}" for name, (key, fmt) in BAR_FIELDS.items()
                                       if key in record})
+                if record.get("phases"):
+                    self._postfix["s"] = phases_line(record["phases"])
                 self._bar.set_postfix(self._postfix, refresh=False)
                 self._bar.update(update - self._bar.n)
 

@@ -9,6 +9,8 @@ several runs on one chart:
     fitness.png             cohort fitness (mean; band: the seeds' range, or one run's cohort min-max) vs update
     staleness.png           histogram of the staleness of the accepted results, per method
     utilization.png         worker utilisation per update
+    phases.png              where each update's wall clock went (metrics.PHASES), a stacked bar per update, one
+                            panel per run that records phases
 --table FILE writes (and prints) a markdown table in the paper's form: the base model, then per run its updates,
 rollouts, test success with its CI and per-seed values, the paired difference from the base model, first/last
 validation success, training wall time (without the held-out evaluations) and tokens/s. In a FILE that has the
@@ -28,7 +30,8 @@ import numpy as np
 from asyncres_jax import metrics
 from asyncres_jax.errors import UserError
 
-FILES = ("success_vs_update.png", "success_vs_time.png", "fitness.png", "staleness.png", "utilization.png")
+FILES = ("success_vs_update.png", "success_vs_time.png", "fitness.png", "staleness.png", "utilization.png",
+         "phases.png")
 
 
 def load_run(path: str | pathlib.Path) -> dict:
@@ -212,6 +215,30 @@ def _utilization_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
     _finish(fig, ax, out, plt, "ES update", "worker utilisation (%)", "Worker utilisation per update")
 
 
+def _phases_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
+    timed = [run for run in runs if any(r.get("phases") for r in run["updates"])]
+    fig, axes = plt.subplots(max(1, len(timed)), 1, figsize=(8, 1.2 + 2.6 * max(1, len(timed))), squeeze=False)
+    for ax, run in zip(axes[:, 0], timed):
+        recs = [r for r in run["updates"] if r.get("phases")]
+        x, bottom = [r["update"] for r in recs], np.zeros(len(recs))
+        for i, k in enumerate(metrics.PHASES):
+            y = np.array([r["phases"].get(k, 0.0) for r in recs])
+            ax.bar(x, y, bottom=bottom, color=f"C{i}", label=k)
+            bottom += y
+        ax.plot(x, [r["update_seconds"] for r in recs], "k_", markersize=14, label="update wall clock")
+        ax.set_title(run["name"], fontsize=9)
+        ax.set_ylabel("seconds")
+    if timed:
+        axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        axes[0, 0].text(0.5, 0.5, "no run records phases", ha="center", va="center", transform=axes[0, 0].transAxes)
+    axes[-1, 0].set_xlabel("ES update")
+    fig.suptitle("Where each update's wall clock went")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def plot(runs: list[dict], out_dir: str | pathlib.Path) -> list[pathlib.Path]:
     import matplotlib
 
@@ -226,6 +253,7 @@ def plot(runs: list[dict], out_dir: str | pathlib.Path) -> list[pathlib.Path]:
     _fitness_chart(runs, paths[2], plt)
     _staleness_chart(runs, paths[3], plt)
     _utilization_chart(runs, paths[4], plt)
+    _phases_chart(runs, paths[5], plt)
     return paths
 
 

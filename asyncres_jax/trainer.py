@@ -88,6 +88,7 @@ class ESTrainer(Trainer):
                  argv: list[str] | None = None, job_fn: Callable | None = None):
         check_supported(cfg)
         super().__init__(cfg, cfg.es.updates)
+        self._learner_s = 0.0  # the learner step within the current update's wall clock (see metrics.PHASES)
         self._pause_at = cfg.es.updates
         fake = cfg.tasks.dataset == FAKE
         # Everything that can be wrong with the input fails here, before the run directory is touched.
@@ -174,7 +175,10 @@ class ESTrainer(Trainer):
         if version >= self._pause_at:
             self.coordinator.drain()  # atomically with the commit: no job of the next version starts
         record = metrics.update_record(version, cohort.fitness, cohort.staleness, cohort.metrics,
-                                       [r.stats for r in cohort.results], self.elapsed())
+                                       [r.stats for r in cohort.results], self.elapsed(),
+                                       num_workers=self.coordinator.config.num_workers,
+                                       learner_seconds=self._learner_s)
+        self._learner_s = self.pool.learner_seconds  # this step runs within the next update's wall clock
         self.metrics.write(record, samples=[r.stats.get("transcript") for r in cohort.results])
         log(f"update {version}/{self.cfg.es.updates}: fitness {record['fitness_mean']:.4f} "
             f"± {record['fitness_std']:.4f}, staleness {record['staleness_hist']}, dropped {record['dropped']}, "
@@ -194,6 +198,7 @@ class ESTrainer(Trainer):
             hook(self)
         while self.store.version < cfg.es.updates and not self._stop.is_set():
             self._pause_at = min((self.store.version // every + 1) * every, cfg.es.updates)
+            self._learner_s = 0.0  # the last learner step fell in the pause, which no update's wall clock counts
             self.pool.resume()
             while self.coordinator.version < self._pause_at and not self._stop.is_set():
                 try:  # short waits, so a signal's stop request is seen promptly

@@ -133,6 +133,15 @@ def test_a_solved_episode_is_graded_and_has_the_protocol_transcript():
     assert r.tokens is None and backend.all_closed() and backend.graded == ["t0"]
 
 
+def test_the_short_system_prompt_replaces_the_protocol_rules_and_unknown_names_are_refused():
+    [r] = run_episodes(ScriptedPolicy(["touch ok"]), tasks(1), FakeBackend(), EpisodeConfig(system_prompt="short"))
+    assert r.transcript[0] == {"role": "system", "content": protocol.SHORT_SYSTEM_PROMPT}
+    assert r.transcript[1]["content"] == "Create /home/user/ok." and r.reward == 1.0
+    assert len(protocol.SHORT_SYSTEM_PROMPT) < len(protocol.SYSTEM_PROMPT) / 3
+    with pytest.raises(UserError, match="system_prompt='terse' is not one of full, short"):
+        EpisodeConfig(system_prompt="terse")
+
+
 def test_invalid_replies_get_the_nudge_and_count_as_turns():
     policy = RecordingPolicy(ScriptedPolicy(["I am not sure", "<command>touch ok</command>"], wrap=False))
     [r] = run_episodes(policy, tasks(1), FakeBackend())

@@ -61,6 +61,23 @@ def test_update_record_sums_job_stats_and_derives_rates():
     assert "transcript" not in r  # strings in job stats are samples, not metrics
 
 
+def test_phases_are_worker_seconds_over_workers_and_waiting_is_the_rest_of_the_wall_clock():
+    m = SimpleNamespace(staleness_hist={0: 2}, dropped=0, reissued=0, wasted_seconds=0.0, utilization=0.9,
+                        wall_seconds=10.0)
+    # two members played as one batch by two of four workers: each worker waited for the whole batch
+    batch = {"sandbox_start": 1.0, "prefill": 6.0, "decode": 4.0, "commands": 2.0, "grading": 1.0}
+    stats = [{"phases": batch, "sync_seconds": 0.5, "prefill_tokens": 300.0, "prefill_slots": 512.0}] * 2
+    r = metrics.update_record(1, np.array([0.1, 0.2]), np.array([0, 0]), m, stats, 5.0, num_workers=4,
+                              learner_seconds=0.75)
+    p = r["phases"]
+    assert list(p) == list(metrics.PHASES)
+    assert p["prefill"] == 3.0 and p["decode"] == 2.0 and p["sandbox_start"] == 0.5 and p["replica_sync"] == 0.25
+    assert p["es_step"] == 0.75 and p["teardown"] == 0.0
+    assert sum(p.values()) == pytest.approx(10.0) and p["waiting"] == pytest.approx(10.0 - 7.0 - 0.25 - 0.75)
+    assert r["prefill_tokens"] == 600 and r["prefill_slots"] == 1024
+    assert metrics.phases_line(p) == "start 0.5|prefill 3.0|decode 2.0|cmd 1.0|grade 0.5|sync 0.2|es 0.8|wait 2.0"
+
+
 def test_jsonl_tensorboard_transcripts_and_progress(tmp_path, capsys):
     w = metrics.MetricsWriter(tmp_path, 0, total=4)
     w.write(record(1, [0.1, 0.3, 0.2]), samples=["first episode", None, "second episode", "third"])
@@ -82,6 +99,7 @@ def test_jsonl_tensorboard_transcripts_and_progress(tmp_path, capsys):
     assert not (tmp_path / "transcripts" / "update_00002.txt").exists()
     err = capsys.readouterr().err
     assert "ES updates" in err and "2/4" in err and "fitness=0.500" in err and "val=25.0%" in err
+    assert "s=wait 2.0" in err  # where the update's wall clock went (here: no phases in the stats, all waiting)
 
     (tmp_path / "grpo").mkdir()
     grpo = metrics.MetricsWriter(tmp_path / "grpo", 0, total=3, label="GRPO steps", unit="step")  # GRPO's bar

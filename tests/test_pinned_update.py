@@ -43,8 +43,9 @@ def params_sha256(params) -> str:
 def first_update(tmp_path_factory):
     bwrap_or_skip()
     tmp = tmp_path_factory.mktemp("pinned")
+    # the system prompt the values were recorded with, explicit so that a change of the default cannot move them
     cfg = load_config(CONFIG, [f"run_dir={tmp / 'run'}", f"tasks.dataset={tmp / 'tasks'}", "pool.mode=sync",
-                               "es.updates=1", "eval.every=0"])
+                               "es.updates=1", "eval.every=0", "episode.system_prompt=full"])
     trainer = ESTrainer(cfg, devices=jax.devices()[:1])
     try:
         trainer.run()

@@ -20,7 +20,8 @@ def fake_run(root, name, n_updates, stale_share, val, test):
             f.write(json.dumps({"update": u, "fitness_mean": 0.1 * u, "fitness_std": 0.05, "fitness_min": 0.05 * u,
                                 "fitness_max": 0.2 * u, "staleness_hist": {"0": 4 - stale, "1": stale},
                                 "utilization": 0.7 + 0.01 * u, "update_seconds": 30.0, "elapsed_seconds": 30.0 * u,
-                                "tokens": 3000, "episodes": 8}) + "\n")
+                                "tokens": 3000, "episodes": 8,
+                                "phases": {"prefill": 18.0, "decode": 6.0, "commands": 2.0, "waiting": 4.0}}) + "\n")
     with open(run / "eval.jsonl", "w") as f:
         for split, rows in (("val", val), ("test", test)):
             for u, s in rows:
@@ -72,6 +73,20 @@ def test_a_grpo_run_plots_beside_es_runs(runs, tmp_path):
     assert plot.main([str(runs[0]), str(grpo), "--out", str(tmp_path / "p"), "--table", str(results)]) == 0
     assert all((tmp_path / "p" / f).stat().st_size > 5000 for f in plot.FILES)
     assert "| grpo | 2 | 32 | 30.0% [20.0%, 40.0%] |" in results.read_text()
+
+
+def test_phases_are_a_stacked_bar_per_update_and_runs_without_them_are_left_out(runs, tmp_path):
+    import matplotlib.image as mpimg
+
+    (runs[1] / "metrics.jsonl").write_text("".join(  # a run from before phases were recorded
+        json.dumps({k: v for k, v in json.loads(line).items() if k != "phases"}) + "\n"
+        for line in (runs[1] / "metrics.jsonl").read_text().splitlines()))
+    one = plot.plot([plot.load_run(runs[0])], tmp_path / "one")[-1]
+    both = plot.plot([plot.load_run(r) for r in runs], tmp_path / "both")[-1]
+    assert one.name == both.name == "phases.png"
+    assert mpimg.imread(both).shape == mpimg.imread(one).shape  # one panel: the run without phases has none
+    none = plot.plot([plot.load_run(runs[1])], tmp_path / "none")[-1]
+    assert none.stat().st_size > 5000
 
 
 def test_staleness_counts_sum_over_updates(runs):

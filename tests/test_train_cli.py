@@ -130,6 +130,8 @@ def test_every_shipped_config_is_valid_for_its_program():
     cpu = load_config(REPO / "configs" / "smollm2_cpu.yaml")
     assert (cpu.model.name, cpu.sandbox.backend, cpu.pool.mode, cpu.pool.max_staleness) == (
         "smollm2-135m-instruct", "bwrap", "async", 1)
+    # the study's rows keep the system prompt they were run with, whatever the CPU default's becomes
+    assert all(c.episode.system_prompt == "full" for c in study)
     assert cpu.tasks.generate_n > 0  # generated offline on the first run
 
 

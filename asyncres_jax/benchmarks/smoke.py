@@ -50,10 +50,10 @@ def run(ns: argparse.Namespace) -> dict:
 
     from asyncres_jax import es, plan
     from asyncres_jax.config import load_config
-    from asyncres_jax.mesh import make_mesh, param_shardings
+    from asyncres_jax.mesh import make_mesh
+    from asyncres_jax.model.sharding import param_shardings
     from asyncres_jax.model import Model, decoder
     from asyncres_jax.model.generate import Engine
-    from asyncres_jax.trainer import es_config
 
     device = jax.devices()[0]
     context = ns.prompt_tokens + ns.new_tokens + 1
@@ -80,7 +80,7 @@ def run(ns: argparse.Namespace) -> dict:
     decode()  # compiles
     decode_s = decode()
 
-    es_cfg = es_config(cfg)
+    es_cfg = cfg.es.core()
     seeds = np.asarray([es.member_seed(0, 0, i) for i in range(ns.population)], np.int64)
     shaped = es.shape_fitness(np.random.default_rng(1).random(ns.population).astype(np.float32), es_cfg)
     state = es.init(masters, es_cfg)

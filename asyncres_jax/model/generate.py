@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -50,6 +51,7 @@ DEFAULT_CONTEXT_LIMIT = 16384
 PREFILL_CHUNK = 128
 MIN_WORK_BATCH = 8  # below this a decode step costs about the same (weight reads dominate)
 DECODE_CHUNK = 16
+STATS = ("prefill_seconds", "prefill_tokens", "prefill_slots", "decode_seconds", "decode_steps")
 
 
 def _pow2(n: int) -> int:
@@ -231,6 +233,10 @@ class Conversation:
     length: int = 0
     rebuild: bool = False
     last_texts: list[str] = field(default_factory=list)
+    # Work done on this batch so far, for per-phase timing: seconds and tokens of prefill (the prompts and
+    # observations; `prefill_slots` counts the padded block cells computed) and of decoding. Shared by the
+    # conversations that `extend`/`generate` derive from this one.
+    stats: dict = field(default_factory=lambda: dict.fromkeys(STATS, 0))
 
     @property
     def tokens(self) -> list[np.ndarray]:
@@ -463,6 +469,7 @@ class Engine:
         sampling = Sampling.of(sampling)
         stop = self._check_stop(stop)
         params = self.model.params if params is None else params
+        t_start, prefilled = time.monotonic(), conv.stats["prefill_seconds"]
         conv = dataclasses.replace(conv, rows=[r.copy() for r in conv.rows])
         conv = self._prefill_pending(params, conv, perturbation)
         n = len(conv.rows)
@@ -519,9 +526,12 @@ class Engine:
             self._accept_chunk(conv, work_map, np.asarray(out_tok), np.asarray(out_lp), int(steps), length, work_kv,
                                stop, progress)
             length += int(steps)
+            conv.stats["decode_steps"] += int(steps)
         if master is not None:
             work_cache, work_kv = self._put_back(master, work_cache, work_kv, work_map)
         conv = dataclasses.replace(conv, cache=work_cache, kv_valid=work_kv, length=length)
+        # everything of this call but its prefills (the one above, and any rebuild of an overfull cache)
+        conv.stats["decode_seconds"] += time.monotonic() - t_start - (conv.stats["prefill_seconds"] - prefilled)
         return conv, self._replies(conv, progress)
 
     def _accept_chunk(self, conv: Conversation, work_map, out_tok, out_lp, steps: int, length: int, work_kv,
@@ -665,12 +675,17 @@ class Engine:
         kv_valid[:, L:L + block] = valid
         kv_dev = self._put(kv_valid, P("data"))
         rows_pert = _perturbation_rows(perturbation, np.where(np.arange(bb) < n, np.arange(bb), 0))  # padding: row 0
-        step = prefill_chunk(block)
+        step, t = prefill_chunk(block), time.monotonic()
         for c0 in range(0, block, step):
             c1 = c0 + step
             cache = _prefill(params, cache, kv_dev, self._put(tokens[:, c0:c1], P("data")),
                              self._put(positions[:, c0:c1], P("data")), jnp.int32(L + c0), rows_pert,
                              cfg=self.cfg)
+        jax.block_until_ready(cache)  # so that the prefill's time is counted here, not in the next decode
+        stats = conv.stats
+        stats["prefill_seconds"] += time.monotonic() - t
+        stats["prefill_tokens"] += int(valid[:n].sum())
+        stats["prefill_slots"] += bb * block
         n_cached = np.asarray([len(r.tokens) - 1 for r in conv.rows], np.int64)
         return dataclasses.replace(conv, cache=cache, kv_valid=kv_valid, n_cached=n_cached, length=L + block)
 

@@ -31,8 +31,8 @@ from asyncres_jax.errors import UserError
 from asyncres_jax.es.config import ESConfig
 from asyncres_jax.es.population import LowRankPopulation
 from asyncres_jax.rollout.coordinator import Job, JobResult
-from asyncres_jax.rollout.episodes import (EpisodeConfig, EpisodeResult, ModelPolicy, fitness_of, format_transcript,
-                                           played, run_episodes)
+from asyncres_jax.rollout.episodes import (COUNTS, PHASES, EpisodeConfig, EpisodeResult, ModelPolicy, fitness_of,
+                                           format_transcript, played, run_episodes)
 
 Params = Any
 
@@ -59,8 +59,11 @@ class PopulationPolicy(ModelPolicy):
 
 
 def _member_result(job: Job, results: Sequence[EpisodeResult], fitness: str, seconds: float,
-                   batch_members: int) -> JobResult:
-    """The JobResult rollout.jobs.episode_job_fn reports for one member, from this member's share of the batch."""
+                   batch_members: int, work: dict[str, float]) -> JobResult:
+    """The JobResult rollout.jobs.episode_job_fn reports for one member, from this member's share of the batch.
+
+    Its phases are the whole batch's (the member's worker waited for all of it: they are worker-seconds); its
+    token counts are its share of the batch's."""
     return JobResult(fitness_of(results, fitness), {
         "episodes": len(results),
         "start_errors": len(results) - len(played(results)),  # not played, left out of the fitness
@@ -71,17 +74,20 @@ def _member_result(job: Job, results: Sequence[EpisodeResult], fitness: str, sec
         "timeouts": int(sum(r.timed_out for r in results)),
         "seconds": seconds,  # the whole batch's wall time: its members share it
         "batch_members": batch_members,
+        "phases": {k: work.get(k, 0.0) for k in PHASES},
+        **{k: work.get(k, 0) / batch_members for k in COUNTS},
         # a sample of what the agent did, for RUN_DIR/transcripts (members 0 and 1 only, like episode_job_fn)
         **({"transcript": format_transcript(results[0])} if job.member_index < 2 and results else {}),
     })
 
 
 def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig,
-                es_cfg: ESConfig, *, contraction: str = "select") -> list[list[EpisodeResult]]:
+                es_cfg: ESConfig, *, contraction: str = "select",
+                work: dict[str, float] | None = None) -> list[list[EpisodeResult]]:
     """Play `tasks` once per job's member, all members x tasks episodes in one batch; episodes per job.
 
     The jobs must be of one version (same task batch and sampling seed). ModelPolicy options (first_reply_prefix,
-    command_per_line) come with episode_cfg.
+    command_per_line) come with episode_cfg. `work`: as run_episodes'.
     """
     if es_cfg.noise != "lowrank":
         raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
@@ -95,7 +101,8 @@ def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backe
                                           contraction=contraction)
     policy = PopulationPolicy.from_config(engine, params, episode_cfg, population=population,
                                           tasks_per_member=n_tasks)
-    results = run_episodes(policy, list(tasks) * len(jobs), backend, episode_cfg, seed=jobs[0].sampling_seed)
+    results = run_episodes(policy, list(tasks) * len(jobs), backend, episode_cfg, seed=jobs[0].sampling_seed,
+                           work=work)
     return [results[i * n_tasks:(i + 1) * n_tasks] for i in range(len(jobs))]
 
 
@@ -104,10 +111,11 @@ def run_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backen
     """play_cohort, summarised: one JobResult per job (fitness = its member's mean reward, or mean partial)."""
     if fitness not in ("binary", "partial"):
         raise UserError(f"fitness={fitness!r} is not one of binary, partial")
-    t = time.monotonic()
-    episodes = play_cohort(engine, params, jobs, tasks, backend, episode_cfg, es_cfg, **kw)
+    t, work = time.monotonic(), dict.fromkeys(PHASES, 0.0)
+    episodes = play_cohort(engine, params, jobs, tasks, backend, episode_cfg, es_cfg, work=work, **kw)
     seconds = time.monotonic() - t
-    return [_member_result(job, member, fitness, seconds, len(jobs)) for job, member in zip(jobs, episodes)]
+    work["host"] += max(0.0, seconds - sum(work[k] for k in PHASES))  # the population's set-up, the policy's
+    return [_member_result(job, member, fitness, seconds, len(jobs), work) for job, member in zip(jobs, episodes)]
 
 
 class _Group:

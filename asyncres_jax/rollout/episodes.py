@@ -43,6 +43,7 @@ class EpisodeConfig:
     command_per_line: bool = False  # the one-command-per-line scaffold for small models (ModelPolicy)
     start_retries: int = 2  # more tries for a sandbox that fails to start; then the episode is an error
     reward_key: str = ""  # the verifier's metric (reward.json key) taken as the reward; "": its default
+    system_prompt: str = "full"  # protocol.SYSTEM_PROMPTS: "full" (the protocol's rules) or "short"
 
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "output_cap", "max_workers"):
@@ -58,6 +59,9 @@ class EpisodeConfig:
                 f"episode sampling temperature={self.temperature}, top_p={self.top_p} is not valid; "
                 "use temperature >= 0 and 0 < top_p <= 1"
             )
+        if self.system_prompt not in protocol.SYSTEM_PROMPTS:
+            raise UserError(f"episode system_prompt={self.system_prompt!r} is not one of "
+                            f"{', '.join(protocol.SYSTEM_PROMPTS)}")
 
     @classmethod
     def from_sections(cls, episode: Any, sandbox: Any = None) -> "EpisodeConfig":
@@ -75,6 +79,22 @@ class TokenState:
     ids: np.ndarray  # [T] int32 token ids
     generated_mask: np.ndarray  # [T] bool, True where the model generated the token
     logprobs: np.ndarray  # [T] float32 log-prob of each generated token under the sampling distribution (0 elsewhere)
+
+
+# Where a batch's wall clock goes, on its critical path (the runner's thread): waiting for sandboxes to start,
+# the policy's prefill and decode (engine work) and its host work (templating, tokenising, cache bookkeeping, the
+# runner's own loop), waiting for the turn's commands, and the final wait for grading and teardown (split between
+# the two in proportion to their work in that wait). Grading of an episode that ends early runs while the others
+# play on, so only what is left of it when the last reply is in shows here. They add up to the batch's wall clock.
+PHASES = ("sandbox_start", "prefill", "decode", "host", "commands", "grading", "teardown")
+COUNTS = ("prefill_tokens", "prefill_slots", "decode_steps")  # the engine's, beside the phases
+
+
+def add_phases(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """total[k] += more[k] for every key of `more` (in place); returns total."""
+    for k, v in more.items():
+        total[k] = total.get(k, 0.0) + v
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +159,11 @@ class PolicyBatch(abc.ABC):
 
     def token_states(self) -> dict[int, TokenState]:
         """After the last step: the token state of every row that has one (none for scripted policies)."""
+        return {}
+
+    def work(self) -> dict[str, float]:
+        """Engine work so far (the generation engine's Conversation.stats: prefill/decode seconds and tokens);
+        empty for policies without a model."""
         return {}
 
 
@@ -279,6 +304,9 @@ class _ModelBatch(PolicyBatch):
         self._keep_states(range(len(self.rows)))
         return dict(self.states)
 
+    def work(self):
+        return dict(self.conv.stats)
+
 
 # ---------------------------------------------------------------------------------------------------- the runner
 
@@ -314,15 +342,19 @@ def _start(backend: Backend, task, clock, retries: int) -> tuple[Sandbox | None,
     raise AssertionError("unreachable")
 
 
-def _grade_and_close(ep: _Episode, graded: bool, clock) -> tuple[Grade | None, float, float]:
-    """Returns the grade (None when not graded), the seconds grading took, and the end time of the episode."""
+def _grade_and_close(ep: _Episode, graded: bool, clock) -> tuple[Grade | None, float, float, float]:
+    """Returns the grade (None when not graded), when grading started, when teardown started, and the end time."""
     t = clock()
     try:
         grade = ep.sandbox.grade() if graded else None
     finally:
+        t_close = clock()
         ep.sandbox.close()
-    end = clock()
-    return grade, end - t, end
+    return grade, t, t_close, clock()
+
+
+def _overlap(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))
 
 
 def run_episodes(
@@ -333,17 +365,20 @@ def run_episodes(
     seed: int = 0,
     *,
     clock: Callable[[], float] = time.monotonic,
+    work: dict[str, float] | None = None,
 ) -> list[EpisodeResult]:
     """Play one episode per task, all in one batch; results in the order of `tasks`.
 
     `clock` (seconds) decides the episode time limit and the timings; tests pass a fake one. Every sandbox this
     starts is closed before it returns or raises, including when the job is cancelled (rollout.cancel: checked
-    at every turn boundary, raising Cancelled).
+    at every turn boundary, raising Cancelled). `work`, when given, gets the batch's seconds per PHASES and the
+    engine's token counts (prefill_tokens, prefill_slots, decode_steps) added.
     """
     cfg = episode_cfg
     if not tasks:
         return []
-    eps = [_Episode(task=t, transcript=protocol.first_messages(t.instruction)) for t in tasks]
+    t_begin, spent = clock(), dict.fromkeys(PHASES, 0.0)
+    eps = [_Episode(task=t, transcript=protocol.first_messages(t.instruction, cfg.system_prompt)) for t in tasks]
     pool = cf.ThreadPoolExecutor(max_workers=min(len(eps), cfg.max_workers), thread_name_prefix="episode")
     starts: list[cf.Future] = []
     try:
@@ -361,6 +396,7 @@ def run_episodes(
             raise errors[0]
 
         t0 = clock()
+        spent["sandbox_start"] = t0 - t_begin
         batch = policy.begin([ep.transcript for ep in eps], seed)  # a model prefills the prompts here
         begin_s = clock() - t0
         for ep in eps:
@@ -390,6 +426,7 @@ def run_episodes(
                     runs.append((i, timeout, pool.submit(ep.sandbox.run, parsed.command, timeout)))
                 else:
                     ep.pending = [{"role": "user", "content": protocol.NUDGE}]
+            t = clock()
             for i, timeout, fut in runs:
                 ep, result = eps[i], fut.result()
                 ep.commands_s += result.seconds
@@ -397,6 +434,7 @@ def run_episodes(
                 out_of_time = result.timed_out and timeout < cfg.command_timeout_s
                 if out_of_time or ep.elapsed(clock) >= cfg.episode_timeout_s:
                     ep.end = "timeout"
+            spent["commands"] += clock() - t
             for i in live:
                 ep = eps[i]
                 ep.transcript.extend(ep.pending)
@@ -407,11 +445,25 @@ def run_episodes(
             live = [i for i in live if eps[i].end is None]
 
         token_states = batch.token_states()
+        t_last = clock()
+        # an episode whose sandbox never started has no grade, and no time grading or tearing down
+        finished = [ep.finish.result() if i not in failed else (None, ep.t0, ep.t0, ep.t0) for i, ep in enumerate(eps)]
+        t_done = clock()
+        if work is not None:
+            engine = batch.work()
+            spent["prefill"], spent["decode"] = engine.get("prefill_seconds", 0.0), engine.get("decode_seconds", 0.0)
+            # the wait for the last grades and teardowns, split in proportion to their work during it
+            grading = sum(_overlap(g0, c0, t_last, t_done) for _, g0, c0, _ in finished)
+            teardown = sum(_overlap(c0, c1, t_last, t_done) for _, _, c0, c1 in finished)
+            share = grading / (grading + teardown) if grading + teardown > 0 else 1.0
+            spent["grading"], spent["teardown"] = share * (t_done - t_last), (1 - share) * (t_done - t_last)
+            spent["host"] = max(0.0, t_done - t_begin - sum(spent.values()))  # all the rest of this call
+            add_phases(work, spent)
+            add_phases(work, {k: engine.get(k, 0) for k in COUNTS})
         results = []
-        for i, ep in enumerate(eps):
-            grade, grade_s, t_end = ep.finish.result() if i not in failed else (None, 0.0, ep.t0)
+        for i, (ep, (grade, t_grade, _, t_end)) in enumerate(zip(eps, finished)):
             timings = Timings(
-                sandbox_start=ep.start_s, generate=ep.generate_s, commands=ep.commands_s, grade=grade_s,
+                sandbox_start=ep.start_s, generate=ep.generate_s, commands=ep.commands_s, grade=t_end - t_grade,
                 total=t_end - ep.t0,
             )
             results.append(EpisodeResult(

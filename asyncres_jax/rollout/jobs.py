@@ -122,17 +122,20 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
     Each replica gets its own generation engine, placed on the replica's sub-mesh (found from the params).
     policy_factory(engine, params, episode_cfg) -> Policy; default: rollout.episodes.ModelPolicy.from_config.
     """
-    from asyncres_jax.rollout.episodes import ModelPolicy, fitness_of, format_transcript, played, run_episodes
+    from asyncres_jax.rollout.episodes import (COUNTS, PHASES, ModelPolicy, fitness_of, format_transcript, played,
+                                               run_episodes)
 
     policy_factory = policy_factory or ModelPolicy.from_config
     engine_for = engines_per_mesh(model, episode_cfg.context_limit)
 
     def job_fn(job: Job, params) -> JobResult:
-        t = time.monotonic()
+        t, work = time.monotonic(), dict.fromkeys(PHASES, 0.0)
         perturbed = es.perturb(params, job.member_seed, es_cfg, sign=es_cfg.member_sign(job.member_index))
         batch = task_batch(tasks, global_seed, job.dispatch_version, tasks_per_member)
         policy = policy_factory(engine_for(params), perturbed, episode_cfg)
-        results = run_episodes(policy, batch, backend, episode_cfg, seed=job.sampling_seed)
+        results = run_episodes(policy, batch, backend, episode_cfg, seed=job.sampling_seed, work=work)
+        seconds = time.monotonic() - t
+        work["host"] += max(0.0, seconds - sum(work[k] for k in PHASES))  # the perturbation, the policy's set-up
         generated = sum(int(np.sum(r.tokens.generated_mask)) for r in results if r.tokens is not None)
         return JobResult(fitness_of(results, fitness), {
             "episodes": len(results),
@@ -142,7 +145,9 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
             "partial_sum": float(sum(r.partial for r in results)),
             "turns": int(sum(r.turns for r in results)),
             "timeouts": int(sum(r.timed_out for r in results)),
-            "seconds": time.monotonic() - t,
+            "seconds": seconds,
+            "phases": {k: work[k] for k in PHASES},  # this worker's seconds
+            **{k: work.get(k, 0) for k in COUNTS},
             # a sample of what the agent did, for RUN_DIR/transcripts (members 0 and 1 only: they travel in JSON)
             **({"transcript": format_transcript(results[0])} if job.member_index < 2 and results else {}),
         })

@@ -68,6 +68,7 @@ class RolloutPool:
         self.workers_per_replica = workers_per_replica
         self.on_commit, self.clock, self.poll_seconds = on_commit, clock, poll_seconds
         self.metrics: list[UpdateMetrics] = []
+        self.learner_seconds = 0.0  # how long the last learner step (store.commit) took; on_commit may read it
         self._cond = threading.Condition()
         self._commit_lock = threading.Lock()  # one learner step at a time, cohorts in order
         self._pending: collections.deque[Cohort] = collections.deque()
@@ -195,9 +196,13 @@ class RolloutPool:
                     return
                 attempt, master = got
                 try:
+                    t = self.clock()
                     params = self._sync(replica, attempt.job.dispatch_version, master)
+                    sync_s = self.clock() - t
                     with cancel.scope(self._cancel_events[attempt.attempt_id]):
                         result = self.job_fn(attempt.job, params)
+                    # the worker's time bringing its replica to the job's version (a replay or a copy)
+                    result = dataclasses.replace(result, stats={**result.stats, "sync_seconds": sync_s})
                 except Exception as e:  # failed (re-issued) or cancelled (accounted as such); keep the worker
                     with self._cond:
                         del self._cancel_events[attempt.attempt_id]
@@ -232,7 +237,9 @@ class RolloutPool:
                     if not self._pending:
                         return
                     cohort = self._pending[0]
+                t = self.clock()
                 self.store.commit(cohort.seeds, cohort.fitness)
+                self.learner_seconds = self.clock() - t
                 with self._cond:  # on_commit sees the new version before any job of it can start
                     if self.on_commit is not None:
                         self.on_commit(cohort)

@@ -32,6 +32,15 @@ After each command you will see its output and exit code. Rules:
 - Check your work (list files, print contents, run the script) before you declare the task done.
 """
 
+# For the one-command-per-line scaffold (the reply's "<command>" is given, the harness closes the tag), where most
+# rules above are moot: ~100 prompt tokens instead of ~300 (one 128-slot prefill block instead of 384 slots). Its
+# example command matters: without one SmolLM2-135M answers every prompt with an empty line.
+SHORT_SYSTEM_PROMPT = (
+    "You are an agent operating a Linux terminal as an unprivileged user whose home is /home/user. Reply with one "
+    "shell command inside <command></command> tags, for example <command>ls -la /home/user</command>, or with "
+    "<action>done</action> once the task is complete.")
+SYSTEM_PROMPTS = {"full": SYSTEM_PROMPT, "short": SHORT_SYSTEM_PROMPT}
+
 NUDGE = (
     "I could not find a command in your reply. Reply with exactly one shell command inside "
     "<command></command> tags, or with <action>done</action> if the task is complete."
@@ -105,6 +114,8 @@ def observation(result: CommandResult, timeout_s: float, cap: int = OUTPUT_CAP) 
     return f"Command failed. Output: {output} (exit_code={result.exit_code})"
 
 
-def first_messages(instruction: str) -> list[dict[str, str]]:
-    """The conversation an episode starts from: the system prompt and the task instruction as the user turn."""
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction.strip()}]
+def first_messages(instruction: str, system_prompt: str = "full") -> list[dict[str, str]]:
+    """The conversation an episode starts from: the system prompt (a SYSTEM_PROMPTS name) and the task instruction
+    as the user turn."""
+    return [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]},
+            {"role": "user", "content": instruction.strip()}]
