@@ -57,6 +57,7 @@ def task_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("big_memory")  # ~12 GB: never beside the other 12 GB test on a 24 GB machine
 def test_a_smollm2_grpo_step_through_the_train_cli(tmp_path, task_dir):
     run_dir = tmp_path / "run"
     assert main(["--config", "configs/smollm2_cpu_grpo.yaml", f"run_dir={run_dir}", f"tasks.dataset={task_dir}",
