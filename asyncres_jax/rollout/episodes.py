@@ -357,6 +357,118 @@ def _overlap(a: float, b: float, lo: float, hi: float) -> float:
     return max(0.0, min(b, hi) - max(a, lo))
 
 
+def _claim_sandboxes(eps: list[_Episode], starts: list[cf.Future]) -> dict[int, str]:
+    """Take each started sandbox into its episode, so that cleanup closes it; returns why, by row, for each
+    episode whose sandbox never started (after its retries), marked ended by "error". A start that raised
+    something else is re-raised once every start is accounted for."""
+    errors, failed = [], {}
+    for i, (ep, fut) in enumerate(zip(eps, starts)):
+        try:
+            ep.sandbox, ep.start_s, why = fut.result()
+        except BaseException as e:
+            errors.append(e)
+            continue
+        if why is not None:
+            failed[i], ep.end = why, "error"
+    if errors:
+        raise errors[0]
+    return failed
+
+
+def _play_turn(batch: PolicyBatch, eps: list[_Episode], live: list[int], pool: cf.ThreadPoolExecutor,
+               cfg: EpisodeConfig, clock) -> tuple[list[int], float]:
+    """One turn: a reply for every live episode, their commands run in parallel, and the episodes that ended
+    sent to grading and teardown. Returns the episodes still live and the seconds spent waiting for commands."""
+    t = clock()
+    replies = batch.step(live, [eps[i].pending for i in live])
+    gen_s = clock() - t
+    if len(replies) != len(live):
+        raise RuntimeError(f"policy wrote {len(replies)} replies for {len(live)} live episodes")
+    runs = []
+    for i, reply in zip(live, replies):
+        ep = eps[i]
+        ep.pending, ep.generate_s, ep.turns = [], ep.generate_s + gen_s, ep.turns + 1
+        ep.transcript.append({"role": "assistant", "content": reply})
+        if ep.elapsed(clock) >= cfg.episode_timeout_s:
+            ep.end = "timeout"
+            continue
+        parsed = protocol.parse_reply(reply)
+        if parsed.kind == "done":
+            ep.end = "done"
+        elif parsed.kind == "command":
+            timeout = min(cfg.command_timeout_s, cfg.episode_timeout_s - ep.elapsed(clock))
+            ep.commands.append(parsed.command)
+            runs.append((i, timeout, pool.submit(ep.sandbox.run, parsed.command, timeout)))
+        else:
+            ep.pending = [{"role": "user", "content": protocol.NUDGE}]
+    t = clock()
+    for i, timeout, fut in runs:
+        ep, result = eps[i], fut.result()
+        ep.commands_s += result.seconds
+        ep.pending = [{"role": "user", "content": protocol.observation(result, timeout, cfg.output_cap)}]
+        out_of_time = result.timed_out and timeout < cfg.command_timeout_s
+        if out_of_time or ep.elapsed(clock) >= cfg.episode_timeout_s:
+            ep.end = "timeout"
+    commands_s = clock() - t
+    for i in live:
+        ep = eps[i]
+        ep.transcript.extend(ep.pending)
+        if ep.end is None and ep.turns >= cfg.max_turns:
+            ep.end = "max_turns"
+        if ep.end is not None:  # grade and tear down now, while the others play on
+            ep.finish = pool.submit(_grade_and_close, ep, ep.end != "timeout", clock)
+    return [i for i in live if eps[i].end is None], commands_s
+
+
+def _final_phases(spent: dict[str, float], engine: dict[str, float], finished: list[tuple], t_begin: float,
+                  t_last: float, t_done: float) -> dict[str, float]:
+    """Fill in the batch's phases once the last reply is in (at t_last) and every episode is finished (t_done):
+    the engine's prefill and decode, the final wait split between grading and teardown, and the rest as host."""
+    spent["prefill"], spent["decode"] = engine.get("prefill_seconds", 0.0), engine.get("decode_seconds", 0.0)
+    # the wait for the last grades and teardowns, split in proportion to their work during it
+    grading = sum(_overlap(g0, c0, t_last, t_done) for _, g0, c0, _ in finished)
+    teardown = sum(_overlap(c0, c1, t_last, t_done) for _, _, c0, c1 in finished)
+    share = grading / (grading + teardown) if grading + teardown > 0 else 1.0
+    spent["grading"], spent["teardown"] = share * (t_done - t_last), (1 - share) * (t_done - t_last)
+    spent["host"] = max(0.0, t_done - t_begin - sum(spent.values()))  # all the rest of the batch's call
+    return spent
+
+
+def _results(eps: list[_Episode], finished: list[tuple], failed: dict[int, str],
+             token_states: dict[int, TokenState], cfg: EpisodeConfig) -> list[EpisodeResult]:
+    results = []
+    for i, (ep, (grade, t_grade, _, t_end)) in enumerate(zip(eps, finished)):
+        timings = Timings(
+            sandbox_start=ep.start_s, generate=ep.generate_s, commands=ep.commands_s, grade=t_end - t_grade,
+            total=t_end - ep.t0,
+        )
+        results.append(EpisodeResult(
+            task_id=ep.task.name, reward=grade.metric(cfg.reward_key) if grade else 0.0,
+            partial=float(grade.partial) if grade else 0.0, turns=ep.turns, end=ep.end,
+            graded=grade is not None, transcript=ep.transcript, commands=ep.commands,
+            tokens=token_states.get(i), timings=timings, grade=grade, error=failed.get(i),
+        ))
+    return results
+
+
+def _close_all(pool: cf.ThreadPoolExecutor, eps: list[_Episode], starts: list[cf.Future]) -> None:
+    """Cleanup on the way out. On success every sandbox was closed by its finish job. After an error: drop queued
+    jobs, close each sandbox whose finish job never ran (this also kills commands still running in it), then wait."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for ep in eps:
+        if ep.sandbox is not None and (ep.finish is None or ep.finish.cancelled()):
+            try:
+                ep.sandbox.close()
+            except Exception:  # keep closing the others; an error is already propagating
+                pass
+    pool.shutdown(wait=True)
+    for fut in starts:  # a start that finished after an interrupt left its sandbox unclaimed
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            sandbox = fut.result()[0]
+            if sandbox is not None and all(ep.sandbox is not sandbox for ep in eps):
+                sandbox.close()
+
+
 def run_episodes(
     policy: Policy,
     tasks: Sequence["Task"],
@@ -383,17 +495,7 @@ def run_episodes(
     starts: list[cf.Future] = []
     try:
         starts = [pool.submit(_start, sandbox_backend, ep.task, clock, cfg.start_retries) for ep in eps]
-        errors, failed = [], {}
-        for i, (ep, fut) in enumerate(zip(eps, starts)):  # every sandbox that started, so `finally` closes it
-            try:
-                ep.sandbox, ep.start_s, why = fut.result()
-            except BaseException as e:  # re-raised below once all starts are accounted for
-                errors.append(e)
-                continue
-            if why is not None:
-                failed[i], ep.end = why, "error"
-        if errors:
-            raise errors[0]
+        failed = _claim_sandboxes(eps, starts)
 
         t0 = clock()
         spent["sandbox_start"] = t0 - t_begin
@@ -404,45 +506,8 @@ def run_episodes(
         live = [i for i in range(len(eps)) if i not in failed]
         while live:
             cancel.check("episode batch")  # a turn boundary: stop here if the pool cancelled the job
-            t = clock()
-            replies = batch.step(live, [eps[i].pending for i in live])
-            gen_s = clock() - t
-            if len(replies) != len(live):
-                raise RuntimeError(f"policy wrote {len(replies)} replies for {len(live)} live episodes")
-            runs = []
-            for i, reply in zip(live, replies):
-                ep = eps[i]
-                ep.pending, ep.generate_s, ep.turns = [], ep.generate_s + gen_s, ep.turns + 1
-                ep.transcript.append({"role": "assistant", "content": reply})
-                if ep.elapsed(clock) >= cfg.episode_timeout_s:
-                    ep.end = "timeout"
-                    continue
-                parsed = protocol.parse_reply(reply)
-                if parsed.kind == "done":
-                    ep.end = "done"
-                elif parsed.kind == "command":
-                    timeout = min(cfg.command_timeout_s, cfg.episode_timeout_s - ep.elapsed(clock))
-                    ep.commands.append(parsed.command)
-                    runs.append((i, timeout, pool.submit(ep.sandbox.run, parsed.command, timeout)))
-                else:
-                    ep.pending = [{"role": "user", "content": protocol.NUDGE}]
-            t = clock()
-            for i, timeout, fut in runs:
-                ep, result = eps[i], fut.result()
-                ep.commands_s += result.seconds
-                ep.pending = [{"role": "user", "content": protocol.observation(result, timeout, cfg.output_cap)}]
-                out_of_time = result.timed_out and timeout < cfg.command_timeout_s
-                if out_of_time or ep.elapsed(clock) >= cfg.episode_timeout_s:
-                    ep.end = "timeout"
-            spent["commands"] += clock() - t
-            for i in live:
-                ep = eps[i]
-                ep.transcript.extend(ep.pending)
-                if ep.end is None and ep.turns >= cfg.max_turns:
-                    ep.end = "max_turns"
-                if ep.end is not None:  # grade and tear down now, while the others play on
-                    ep.finish = pool.submit(_grade_and_close, ep, ep.end != "timeout", clock)
-            live = [i for i in live if eps[i].end is None]
+            live, commands_s = _play_turn(batch, eps, live, pool, cfg, clock)
+            spent["commands"] += commands_s
 
         token_states = batch.token_states()
         t_last = clock()
@@ -451,44 +516,11 @@ def run_episodes(
         t_done = clock()
         if work is not None:
             engine = batch.work()
-            spent["prefill"], spent["decode"] = engine.get("prefill_seconds", 0.0), engine.get("decode_seconds", 0.0)
-            # the wait for the last grades and teardowns, split in proportion to their work during it
-            grading = sum(_overlap(g0, c0, t_last, t_done) for _, g0, c0, _ in finished)
-            teardown = sum(_overlap(c0, c1, t_last, t_done) for _, _, c0, c1 in finished)
-            share = grading / (grading + teardown) if grading + teardown > 0 else 1.0
-            spent["grading"], spent["teardown"] = share * (t_done - t_last), (1 - share) * (t_done - t_last)
-            spent["host"] = max(0.0, t_done - t_begin - sum(spent.values()))  # all the rest of this call
-            add_phases(work, spent)
+            add_phases(work, _final_phases(spent, engine, finished, t_begin, t_last, t_done))
             add_phases(work, {k: engine.get(k, 0) for k in COUNTS})
-        results = []
-        for i, (ep, (grade, t_grade, _, t_end)) in enumerate(zip(eps, finished)):
-            timings = Timings(
-                sandbox_start=ep.start_s, generate=ep.generate_s, commands=ep.commands_s, grade=t_end - t_grade,
-                total=t_end - ep.t0,
-            )
-            results.append(EpisodeResult(
-                task_id=ep.task.name, reward=grade.metric(cfg.reward_key) if grade else 0.0,
-                partial=float(grade.partial) if grade else 0.0, turns=ep.turns, end=ep.end,
-                graded=grade is not None, transcript=ep.transcript, commands=ep.commands,
-                tokens=token_states.get(i), timings=timings, grade=grade, error=failed.get(i),
-            ))
-        return results
+        return _results(eps, finished, failed, token_states, cfg)
     finally:
-        # On success every sandbox was closed by its finish job. After an error: drop queued jobs, close each
-        # sandbox whose finish job never ran (this also kills commands still running in it), then wait.
-        pool.shutdown(wait=False, cancel_futures=True)
-        for ep in eps:
-            if ep.sandbox is not None and (ep.finish is None or ep.finish.cancelled()):
-                try:
-                    ep.sandbox.close()
-                except Exception:  # keep closing the others; an error is already propagating
-                    pass
-        pool.shutdown(wait=True)
-        for fut in starts:  # a start that finished after an interrupt left its sandbox unclaimed
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                sandbox = fut.result()[0]
-                if sandbox is not None and all(ep.sandbox is not sandbox for ep in eps):
-                    sandbox.close()
+        _close_all(pool, eps, starts)
 
 
 def format_transcript(result: EpisodeResult) -> str:

@@ -112,7 +112,8 @@ def _count(rng, difficulty, variant):
              "the header `file,count` and one row per file (`name.txt,N`, the file name without its folder), "
              "sorted by file name. Then write the sum of all counts to /home/user/total.txt.")
     one = f"$({tool} < \"$f\")" if variant != "matches" else f"$(grep -c {kw} \"$f\" || true)"
-    sol = (f"echo file,count > report.csv\nfor f in {folder}/*.txt; do echo \"$(basename \"$f\"),{one}\" >> report.csv; done\n"
+    sol = (f"echo file,count > report.csv\n"
+           f"for f in {folder}/*.txt; do echo \"$(basename \"$f\"),{one}\" >> report.csv; done\n"
            "awk -F, 'NR > 1 {s += $2} END {print s}' report.csv > total.txt")
     total = sum(measure(f.text) for f in files)
     checks = [("report_exists", "assert (HOME / 'report.csv').is_file()"),
@@ -139,7 +140,8 @@ def _replace(rng, difficulty, variant):
         if with_old:
             for _ in range(rng.randint(1, 3)):
                 i = rng.randrange(len(ls))
-                ls[i] = f"{ls[i]} {old} {sentence(rng, 1, 2)}" if variant == "word" else f"path = {old}/{rng.choice(WORDS)}"
+                ls[i] = (f"{ls[i]} {old} {sentence(rng, 1, 2)}" if variant == "word"
+                         else f"path = {old}/{rng.choice(WORDS)}")
         return lines_text(ls)
 
     def replaced(t: str) -> str:
@@ -153,7 +155,8 @@ def _replace(rng, difficulty, variant):
         f = File(f"{folder}/app.conf", body(True))
         return Spec(f"In /home/user/{f.path}, replace every occurrence of {what}.", f"sed -i '{sed}' {f.path}",
                     [("replaced", f"assert text({f.path!r}) == {replaced(f.text)!r}"),
-                     ("no_old_left", f"assert {old!r} not in text({f.path!r}){'.split()' if variant == 'word' else ''}")],
+                     ("no_old_left",
+                      f"assert {old!r} not in text({f.path!r}){'.split()' if variant == 'word' else ''}")],
                     [f], params=(folder, old, new))
     n = rng.randint(2, 4)
     confs = [File(f"{folder}/{w}.conf", body(True)) for w in sorted(rng.sample(WORDS, n))]
@@ -195,7 +198,8 @@ def _csv(rng, difficulty, variant):
         col = rng.choice(("name", "dept", "age"))
         k = header.index(col) + 1
         want = [r[k - 1] for r in rows]
-        instr = f"{base} Write the values of its `{col}` column (no header), in file order, one per line, to /home/user/out.txt."
+        instr = (f"{base} Write the values of its `{col}` column (no header), in file order, one per line, "
+                 "to /home/user/out.txt.")
         return Spec(instr, f"tail -n +2 {f.path} | cut -d {cut_d} -f{k} > out.txt",
                     lines_checks("out.txt", want), [f], outputs=["out.txt"], params=(fname, col, len(rows)))
     dept = rng.choice(sorted({r[1] for r in rows}))
@@ -205,7 +209,8 @@ def _csv(rng, difficulty, variant):
                  f"`{dept}`, in their original order, with the same separator.")
         awk_sep = "\\t" if variant == "tab" else sep
         sol = f"head -n 1 {f.path} > {dept}.csv\nawk -F '{awk_sep}' '$2 == \"{dept}\"' {f.path} >> {dept}.csv"
-        return Spec(instr, sol, lines_checks(f"{dept}.csv", want), [f], outputs=[f"{dept}.csv"], params=(fname, dept, len(rows)))
+        return Spec(instr, sol, lines_checks(f"{dept}.csv", want), [f], outputs=[f"{dept}.csv"],
+                    params=(fname, dept, len(rows)))
     totals = collections.Counter()
     for r in rows:
         totals[r[1]] += int(r[2])
@@ -215,7 +220,8 @@ def _csv(rng, difficulty, variant):
              "Also write the name of the department with the highest total to /home/user/top.txt.")
     awk_sep = "\\t" if variant == "tab" else sep
     sol = (f"echo dept,total,count > summary.csv\n"
-           f"tail -n +2 {f.path} | awk -F '{awk_sep}' '{{t[$2]+=$3; c[$2]++}} END {{for (d in t) print d\",\"t[d]\",\"c[d]}}' "
+           f"tail -n +2 {f.path} | awk -F '{awk_sep}' "
+           f"'{{t[$2]+=$3; c[$2]++}} END {{for (d in t) print d\",\"t[d]\",\"c[d]}}' "
            "| sort >> summary.csv\ntail -n +2 summary.csv | sort -t, -k2,2nr | head -n 1 | cut -d, -f1 > top.txt")
     top = max(sorted(totals), key=lambda d: totals[d])
     if list(totals.values()).count(totals[top]) > 1:  # a tie would make top.txt ambiguous: draw again
@@ -250,10 +256,13 @@ def _json(rng, difficulty, variant):
     if difficulty == "medium":
         want = sorted(o["name"] for o in items if o["status"] == status)
         instr = (f"/home/user/{f.path} holds {where} with fields id, name, status and score. Write the names of "
-                 f"the objects whose status is `{status}`, sorted alphabetically, one per line, to /home/user/names.txt.")
-        sol = (f"python3 -c \"import json; print('\\n'.join(sorted(o['name'] for o in {load} if o['status'] == '{status}')))\""
+                 f"the objects whose status is `{status}`, sorted alphabetically, one per line, "
+                 "to /home/user/names.txt.")
+        sol = (f"python3 -c \"import json; print('\\n'.join(sorted(o['name'] for o in {load} "
+               f"if o['status'] == '{status}')))\""
                " > names.txt")
-        return Spec(instr, sol, lines_checks("names.txt", want), [f], outputs=["names.txt"], params=(fname, status, len(items)))
+        return Spec(instr, sol, lines_checks("names.txt", want), [f], outputs=["names.txt"],
+                    params=(fname, status, len(items)))
     by = {s: sum(o["status"] == s for o in items) for s in sorted({o["status"] for o in items})}
     total = sum(o["score"] for o in items)
     best = max(items, key=lambda o: (o["score"], -o["id"]))["name"]
@@ -288,13 +297,16 @@ def _archive(rng, difficulty, variant):
     logs = [File(f"{src}/{n}.log", lines_text(sentence(rng) for _ in range(2))) for n in
             sorted(rng.sample(WORDS, rng.randint(1, 3)))] if difficulty == "hard" else []
     arc = f"{src}.{variant}"
-    members = "import tarfile\nwith tarfile.open(HOME / %r, %r) as t:\n    names = sorted(m.name.rstrip('/').removeprefix('./') for m in t.getmembers() if m.isfile())\n"
+    members = ("import tarfile\nwith tarfile.open(HOME / %r, %r) as t:\n"
+               "    names = sorted(m.name.rstrip('/').removeprefix('./') for m in t.getmembers() if m.isfile())\n")
     if difficulty == "easy":
-        instr = f"Create the archive /home/user/{arc} ({variant}) of the folder /home/user/{src}, with paths starting at `{src}/`."
+        instr = (f"Create the archive /home/user/{arc} ({variant}) of the folder /home/user/{src}, "
+                 f"with paths starting at `{src}/`.")
         want = sorted(f.path for f in files)
         checks = [("archive_exists", f"assert (HOME / {arc!r}).is_file()"),
                   ("members", (members % (arc, mode)) + f"assert names == {want!r}"),
-                  ("content", "import tarfile\nwith tarfile.open(HOME / %r, %r) as t:\n    assert t.extractfile(%r).read().decode() == %r"
+                  ("content", "import tarfile\nwith tarfile.open(HOME / %r, %r) as t:\n"
+                              "    assert t.extractfile(%r).read().decode() == %r"
                    % (arc, mode, want[0], files[0].text))]
         return Spec(instr, f"tar c{z}f {arc} {src}", checks, files, outputs=[arc], params=(src, tuple(names)))
     dest = rng.choice(("restore", "unpacked", "out"))
@@ -303,16 +315,20 @@ def _archive(rng, difficulty, variant):
         checks = [("dest_exists", f"assert (HOME / {dest!r}).is_dir()")]
         checks += [(f"file_{i}", f"assert text({dest + '/' + f.path!r}) == {f.text!r}") for i, f in enumerate(files)]
         return Spec(instr, f"mkdir -p {dest} && tar x{z}f backup.{variant} -C {dest}", checks, files,
-                    outputs=[dest, src], prep=[f"tar c{z}f backup.{variant} {src}", f"rm -r {src}"], params=(src, dest, names[0]))
+                    outputs=[dest, src], prep=[f"tar c{z}f backup.{variant} {src}", f"rm -r {src}"],
+                    params=(src, dest, names[0]))
     out = f"logs.{variant}"
     instr = (f"Extract /home/user/backup.{variant} into /home/user/{dest}. Then create /home/user/{out} ({variant}) "
              f"containing only the .log files from it, stored without folders (just the file names), and delete "
              f"the .log files from /home/user/{dest}.")
     sol = (f"mkdir -p {dest} && tar x{z}f backup.{variant} -C {dest}\ncd {dest}/{src}\n"
            f"tar c{z}f /home/user/{out} *.log\nrm -f *.log")
-    checks = [("extracted_txt", f"assert sorted(p.name for p in (HOME / {dest!r} / {src!r}).iterdir()) == {[f.path.split('/')[-1] for f in files]!r}"),
-              ("logs_archive", (members % (out, mode)) + f"assert names == {sorted(f.path.split('/')[-1] for f in logs)!r}"),
-              ("log_content", "import tarfile\nwith tarfile.open(HOME / %r, %r) as t:\n    assert t.extractfile(%r).read().decode() == %r"
+    checks = [("extracted_txt", f"assert sorted(p.name for p in (HOME / {dest!r} / {src!r}).iterdir()) == "
+                                f"{[f.path.split('/')[-1] for f in files]!r}"),
+              ("logs_archive",
+               (members % (out, mode)) + f"assert names == {sorted(f.path.split('/')[-1] for f in logs)!r}"),
+              ("log_content", "import tarfile\nwith tarfile.open(HOME / %r, %r) as t:\n"
+                              "    assert t.extractfile(%r).read().decode() == %r"
                % (out, mode, logs[0].path.split("/")[-1], logs[0].text))]
     return Spec(instr, sol, checks, files + logs, outputs=[dest, out, src],
                 prep=[f"tar c{z}f backup.{variant} {src}", f"rm -r {src}"], params=(src, dest, names[0]))
@@ -321,7 +337,8 @@ def _archive(rng, difficulty, variant):
 # --- permissions ------------------------------------------------------------------------------------------
 
 SYMBOLIC = {0o600: "readable and writable by its owner only", 0o644: "readable by everyone, writable by its owner only",
-            0o755: "readable and executable by everyone, writable by its owner only", 0o700: "accessible by its owner only",
+            0o755: "readable and executable by everyone, writable by its owner only",
+            0o700: "accessible by its owner only",
             0o640: "readable and writable by its owner, readable by its group, nothing for others"}
 
 
@@ -335,15 +352,19 @@ def _permissions(rng, difficulty, variant):
         m = rng.choice((0o600, 0o640, 0o700))
         f = File(name, lines_text([hashlib.sha1(rng.randbytes(8)).hexdigest()]), mode=0o666)
         return Spec(f"Make /home/user/{name} {say(m)}.", f"chmod {m:o} {name}",
-                    [("mode", f"assert mode({name!r}) == {oct(m)}"), unchanged(name, f.text)], [f], params=(name, m, f.text[:2]))
+                    [("mode", f"assert mode({name!r}) == {oct(m)}"), unchanged(name, f.text)], [f],
+                    params=(name, m, f.text[:2]))
     folder = rng.choice(("scripts", "bin", "tools"))
-    sh = [File(f"{folder}/{w}.sh", lines_text(["#!/bin/sh", f"echo {w}"]), mode=0o644) for w in sorted(rng.sample(WORDS, rng.randint(2, 4)))]
-    txt = [File(f"{folder}/{w}.txt", lines_text([sentence(rng)]), mode=0o755) for w in sorted(rng.sample(WORDS, rng.randint(1, 3)))]
+    sh = [File(f"{folder}/{w}.sh", lines_text(["#!/bin/sh", f"echo {w}"]), mode=0o644)
+          for w in sorted(rng.sample(WORDS, rng.randint(2, 4)))]
+    txt = [File(f"{folder}/{w}.txt", lines_text([sentence(rng)]), mode=0o755)
+           for w in sorted(rng.sample(WORDS, rng.randint(1, 3)))]
     if difficulty == "medium":
         instr = (f"In /home/user/{folder}, make every .sh file {say(0o755)}, and every .txt file {say(0o644)}.")
         checks = [(f"sh_{i}", f"assert mode({f.path!r}) == 0o755") for i, f in enumerate(sh)]
         checks += [(f"txt_{i}", f"assert mode({f.path!r}) == 0o644") for i, f in enumerate(txt)]
-        return Spec(instr, f"chmod 755 {folder}/*.sh\nchmod 644 {folder}/*.txt", checks, sh + txt, params=(folder, tuple(x.path for x in sh)))
+        return Spec(instr, f"chmod 755 {folder}/*.sh\nchmod 644 {folder}/*.txt", checks, sh + txt,
+                    params=(folder, tuple(x.path for x in sh)))
     priv = rng.choice(("private", "keys", "secure"))
     keys = [File(f"{priv}/{w}.pem", lines_text([hashlib.sha1(rng.randbytes(8)).hexdigest()]), mode=0o664)
             for w in sorted(rng.sample(WORDS, rng.randint(2, 3)))]
@@ -357,7 +378,8 @@ def _permissions(rng, difficulty, variant):
     checks += [("private_dir", f"assert mode({priv!r}) == 0o700")]
     checks += [(f"key_{i}", f"assert mode({f.path!r}) == 0o600") for i, f in enumerate(keys)]
     checks += [("listing", f"assert nonblank('private_files.txt') == {[f.path.split('/')[-1] for f in keys]!r}")]
-    return Spec(instr, sol, checks, sh + txt + keys, outputs=["private_files.txt"], params=(folder, priv, len(keys), sh[0].path))
+    return Spec(instr, sol, checks, sh + txt + keys, outputs=["private_files.txt"],
+                params=(folder, priv, len(keys), sh[0].path))
 
 
 # --- links --------------------------------------------------------------------------------------------------
@@ -406,7 +428,8 @@ def _links(rng, difficulty, variant):
              "is not in /home/user/tools. Write the names of the deleted links, sorted, to /home/user/removed.txt "
              "(an empty file when none).")
     sol = ("> removed.txt\nfor l in links/*; do n=$(basename \"$l\"); if [ -f tools/$n.sh ]; then ln -sfn "
-           "/home/user/tools/$n.sh \"$l\"; else rm \"$l\"; echo $n >> removed.txt; fi; done\nsort -o removed.txt removed.txt")
+           "/home/user/tools/$n.sh \"$l\"; else rm \"$l\"; echo $n >> removed.txt; fi; done\n"
+           "sort -o removed.txt removed.txt")
     gone = [t for t in tools if t not in keep]
     checks = [(f"link_{i}", same(f"links/{t}", f"tools/{t}.sh")) for i, t in enumerate(keep)]
     checks += [("removed_links", f"assert sorted(os.listdir(HOME / 'links')) == {keep!r}"),
@@ -431,7 +454,8 @@ def _find(rng, difficulty, variant):
         name = f"{rng.choice(WORDS)}{i}"
         hit = i < 2 or rng.random() < 0.4
         if variant == "name":
-            f = File(f"{root}/{rng.choice(subdirs)}{name}.{ext if hit else rng.choice(('txt', 'md', 'dat'))}", lines_text([sentence(rng)]))
+            f = File(f"{root}/{rng.choice(subdirs)}{name}.{ext if hit else rng.choice(('txt', 'md', 'dat'))}",
+                     lines_text([sentence(rng)]))
         elif variant == "size":
             size = (limit_kb * 1024 + rng.randint(1, 8000)) if hit else rng.randint(10, limit_kb * 1024 - 1)
             f = File(f"{root}/{rng.choice(subdirs)}{name}.dat", size=size)
@@ -453,7 +477,8 @@ def _find(rng, difficulty, variant):
         instr = (f"Find every file under /home/user/{root} (at any depth) {crit}. Write their absolute paths, "
                  "sorted, one per line, to /home/user/found.txt.")
         return Spec(instr, f"find /home/user/{root} -type f {test} | sort > found.txt",
-                    lines_checks("found.txt", absolute), files, outputs=["found.txt"], params=(root, ext if variant == "name" else limit_kb if variant == "size" else cutoff, len(files)))
+                    lines_checks("found.txt", absolute), files, outputs=["found.txt"],
+                    params=(root, ext if variant == "name" else limit_kb if variant == "size" else cutoff, len(files)))
     dest = rng.choice(("collected", "matches", "picked"))
     instr = (f"Find every file under /home/user/{root} (at any depth) {crit}. Write their absolute paths, sorted, "
              f"one per line, to /home/user/found.txt, then move them into /home/user/{dest} (flat, keeping their "
@@ -480,18 +505,23 @@ def _logs(rng, difficulty, variant):
         rng.shuffle(weights)
         recs = [(rng.choice(ips), rng.choices(PATHS, weights)[0], rng.choice((200, 200, 200, 301, 404, 500)))
                 for _ in range(n)]
-        text = lines_text(f'{ip} - - [12/Mar/2024:10:{i % 60:02d}:00 +0000] "GET {p} HTTP/1.1" {s} {rng.randint(100, 9000)}'
+        text = lines_text(f'{ip} - - [12/Mar/2024:10:{i % 60:02d}:00 +0000] "GET {p} HTTP/1.1" '
+                          f'{s} {rng.randint(100, 9000)}'
                           for i, (ip, p, s) in enumerate(recs))
         f = File("logs/access.log", text)
         code = rng.choice((404, 500, 301))
         if difficulty == "easy":
-            instr = f"Count the requests in /home/user/logs/access.log that got status {code}; write the number to /home/user/answer.txt."
+            instr = (f"Count the requests in /home/user/logs/access.log that got status {code}; "
+                     "write the number to /home/user/answer.txt.")
             return Spec(instr, f"awk '$9 == {code}' logs/access.log | wc -l > answer.txt",
-                        answer_checks("answer.txt", sum(r[2] == code for r in recs)), [f], outputs=["answer.txt"], params=(code, n))
+                        answer_checks("answer.txt", sum(r[2] == code for r in recs)), [f], outputs=["answer.txt"],
+                        params=(code, n))
         if difficulty == "medium":
             want = sorted({r[0] for r in recs})
-            instr = "Write the distinct client IP addresses in /home/user/logs/access.log (first field), sorted, one per line, to /home/user/ips.txt."
-            return Spec(instr, "cut -d' ' -f1 logs/access.log | sort -u > ips.txt", lines_checks("ips.txt", want, ordered=False),
+            instr = ("Write the distinct client IP addresses in /home/user/logs/access.log (first field), sorted, "
+                     "one per line, to /home/user/ips.txt.")
+            return Spec(instr, "cut -d' ' -f1 logs/access.log | sort -u > ips.txt",
+                        lines_checks("ips.txt", want, ordered=False),
                         [f], outputs=["ips.txt"], params=(len(ips), n))
         counts = collections.Counter(r[1] for r in recs)
         top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
@@ -499,29 +529,37 @@ def _logs(rng, difficulty, variant):
         instr = ("From /home/user/logs/access.log, write the 3 most requested paths to /home/user/top.txt, one per "
                  "line as `COUNT PATH`, most requested first; equal counts are ordered by path. Also write the "
                  f"number of requests with status {code} to /home/user/errors.txt.")
-        sol = ("awk '{print $7}' logs/access.log | sort | uniq -c | sort -k1,1nr -k2,2 | head -n 3 | awk '{print $1\" \"$2}' > top.txt\n"
+        sol = ("awk '{print $7}' logs/access.log | sort | uniq -c | sort -k1,1nr -k2,2 | head -n 3 "
+               "| awk '{print $1\" \"$2}' > top.txt\n"
                f"awk '$9 == {code}' logs/access.log | wc -l > errors.txt")
-        checks = lines_checks("top.txt", want) + [("errors", f"assert text('errors.txt').strip() == '{sum(r[2] == code for r in recs)}'")]
+        checks = lines_checks("top.txt", want) + [
+            ("errors", f"assert text('errors.txt').strip() == '{sum(r[2] == code for r in recs)}'")]
         return Spec(instr, sol, checks, [f], outputs=["top.txt", "errors.txt"], params=(code, n))
     recs = [(rng.choice(LEVELS), rng.choice(COMPONENTS)) for _ in range(n)]
-    text = lines_text(f"2024-03-{1 + i // 24:02d}T{i % 24:02d}:00:00Z {lv} {c}: {sentence(rng, 2, 5)}" for i, (lv, c) in enumerate(recs))
+    text = lines_text(f"2024-03-{1 + i // 24:02d}T{i % 24:02d}:00:00Z {lv} {c}: {sentence(rng, 2, 5)}"
+                      for i, (lv, c) in enumerate(recs))
     f = File("logs/app.log", text)
     lv = rng.choice(("ERROR", "WARN"))
     if difficulty == "easy":
-        instr = f"Count the {lv} lines (second field) in /home/user/logs/app.log; write the number to /home/user/answer.txt."
+        instr = (f"Count the {lv} lines (second field) in /home/user/logs/app.log; "
+                 "write the number to /home/user/answer.txt.")
         return Spec(instr, f"awk '$2 == \"{lv}\"' logs/app.log | wc -l > answer.txt",
-                    answer_checks("answer.txt", sum(r[0] == lv for r in recs)), [f], outputs=["answer.txt"], params=(lv, n))
+                    answer_checks("answer.txt", sum(r[0] == lv for r in recs)), [f], outputs=["answer.txt"],
+                    params=(lv, n))
     if difficulty == "medium":
         want = sorted({r[1] for r in recs if r[0] == lv})
         instr = (f"Write the distinct components (third field, without the trailing colon) that logged a {lv} line in "
                  "/home/user/logs/app.log, sorted, one per line, to /home/user/components.txt.")
-        return Spec(instr, f"awk '$2 == \"{lv}\" {{sub(\":\", \"\", $3); print $3}}' logs/app.log | sort -u > components.txt",
+        return Spec(instr,
+                    f"awk '$2 == \"{lv}\" {{sub(\":\", \"\", $3); print $3}}' logs/app.log | sort -u > components.txt",
                     lines_checks("components.txt", want), [f], outputs=["components.txt"], params=(lv, n))
     counts = collections.Counter(r[0] for r in recs)
     want = [f"{k} {counts[k]}" for k in sorted(counts)]
     instr = ("Write one line per log level found in /home/user/logs/app.log (second field) as `LEVEL COUNT`, "
-             f"sorted by level name, to /home/user/levels.txt. Also copy every {lv} line, in order, to /home/user/{lv.lower()}.log.")
-    sol = f"awk '{{print $2}}' logs/app.log | sort | uniq -c | awk '{{print $2\" \"$1}}' > levels.txt\nawk '$2 == \"{lv}\"' logs/app.log > {lv.lower()}.log"
+             f"sorted by level name, to /home/user/levels.txt. Also copy every {lv} line, in order, "
+             f"to /home/user/{lv.lower()}.log.")
+    sol = (f"awk '{{print $2}}' logs/app.log | sort | uniq -c | awk '{{print $2\" \"$1}}' > levels.txt\n"
+           f"awk '$2 == \"{lv}\"' logs/app.log > {lv.lower()}.log")
     sel = [ln for ln in text.splitlines() if ln.split()[1] == lv]
     checks = lines_checks("levels.txt", want) + [("selected", f"assert nonblank({lv.lower() + '.log'!r}) == {sel!r}")]
     return Spec(instr, sol, checks, [f], outputs=["levels.txt", f"{lv.lower()}.log"], params=(lv, n))
@@ -545,7 +583,8 @@ def _sort(rng, difficulty, variant):
         instr = (f"Each line of /home/user/{src} is `NAME SCORE`. Keep only the highest score of each name and write "
                  "`NAME SCORE` lines to /home/user/ranked.txt, highest score first (equal scores by name). Write "
                  "the number of distinct names to /home/user/count.txt.")
-        sol = (f"sort -k1,1 -k2,2nr {src} | awk '!seen[$1]++' | sort -k2,2nr -k1,1 > ranked.txt\nwc -l < ranked.txt > count.txt")
+        sol = (f"sort -k1,1 -k2,2nr {src} | awk '!seen[$1]++' | sort -k2,2nr -k1,1 > ranked.txt\n"
+               "wc -l < ranked.txt > count.txt")
         checks = lines_checks("ranked.txt", want) + [("count", f"assert text('count.txt').strip() == '{len(best)}'"),
                                                      unchanged(src, f.text)]
         return Spec(instr, sol, checks, [f], outputs=["ranked.txt", "count.txt"], params=(src, len(names), len(recs)))
@@ -562,7 +601,8 @@ def _sort(rng, difficulty, variant):
     if difficulty == "easy":
         want = sorted(vals, key=key)
         return Spec(f"Sort the lines of /home/user/{src} {order} and write them to /home/user/sorted.txt.",
-                    f"sort{' -n' if flag else ''} {src} > sorted.txt", lines_checks("sorted.txt", want) + [unchanged(src, f.text)],
+                    f"sort{' -n' if flag else ''} {src} > sorted.txt",
+                    lines_checks("sorted.txt", want) + [unchanged(src, f.text)],
                     [f], outputs=["sorted.txt"], params=(src, len(vals)))
     want = sorted(set(vals), key=key)
     dups = sorted({v for v in vals if vals.count(v) > 1}, key=key)
@@ -591,25 +631,31 @@ def _config(rng, difficulty, variant):
             want = f.text.replace(f"{up[k1]}={vals[k1]}\n", f"{up[k1]}={v1}\n")
             return Spec(f"In /home/user/.env, set {up[k1]} to `{v1}`, changing nothing else.",
                         f"sed -i 's/^{up[k1]}=.*/{up[k1]}={v1}/' .env",
-                        [("value", f"assert f'{up[k1]}={v1}' in nonblank('.env')"), ("exact", f"assert text('.env') == {want!r}")],
+                        [("value", f"assert f'{up[k1]}={v1}' in nonblank('.env')"),
+                         ("exact", f"assert text('.env') == {want!r}")],
                         [f], params=(k1, v1))
-        want = f.text.replace(f"{up[k1]}={vals[k1]}\n", f"{up[k1]}={v1}\n").replace(f"{up[k2]}={vals[k2]}\n", f"{up[k2]}={v2}\n")
+        want = (f.text.replace(f"{up[k1]}={vals[k1]}\n", f"{up[k1]}={v1}\n")
+                .replace(f"{up[k2]}={vals[k2]}\n", f"{up[k2]}={v2}\n"))
         extra = f"{new_key}={rng.choice(WORDS)}"
         dropped = keys[2] if difficulty == "hard" else None
         if dropped:
             want = want.replace(f"{up[dropped]}={vals[dropped]}\n", "")
         want += extra + "\n"
         instr = (f"In /home/user/.env set {up[k1]} to `{v1}` and {up[k2]} to `{v2}`, "
-                 + (f"delete the {up[dropped]} line, " if dropped else "") + f"and append the line `{extra}`. Keep everything else.")
+                 + (f"delete the {up[dropped]} line, " if dropped else "")
+                 + f"and append the line `{extra}`. Keep everything else.")
         sol = (f"sed -i -e 's/^{up[k1]}=.*/{up[k1]}={v1}/' -e 's/^{up[k2]}=.*/{up[k2]}={v2}/' .env\n"
                + (f"sed -i '/^{up[dropped]}=/d' .env\n" if dropped else "") + f"echo '{extra}' >> .env")
-        checks = [("first", f"assert f'{up[k1]}={v1}' in nonblank('.env')"), ("second", f"assert f'{up[k2]}={v2}' in nonblank('.env')"),
-                  ("appended", f"assert nonblank('.env')[-1] == {extra!r}"), ("exact", f"assert text('.env') == {want!r}")]
+        checks = [("first", f"assert f'{up[k1]}={v1}' in nonblank('.env')"),
+                  ("second", f"assert f'{up[k2]}={v2}' in nonblank('.env')"),
+                  ("appended", f"assert nonblank('.env')[-1] == {extra!r}"),
+                  ("exact", f"assert text('.env') == {want!r}")]
         return Spec(instr, sol, checks, [f], params=(k1, k2, difficulty))
     sections = ("server", "client")
     lines = []
     for s in sections:
-        lines += [f"[{s}]"] + [f"{k} = {vals[k] if s == 'server' else vals[k] + ('0' if vals[k].isdigit() else 'x')}" for k in keys] + [""]
+        lines += [f"[{s}]"] + [f"{k} = {vals[k] if s == 'server' else vals[k] + ('0' if vals[k].isdigit() else 'x')}"
+                               for k in keys] + [""]
     f = File("app.ini", lines_text(lines[:-1]))
     k = keys[0]
     newv = rng.choice([w for w in WORDS if w != vals[k]]) if not vals[k].isdigit() else str(int(vals[k]) * 2 + 1)
@@ -619,11 +665,13 @@ def _config(rng, difficulty, variant):
     new_lines = list(lines[:-1])
     new_lines[idx] = f"{k} = {newv}"
     if difficulty == "easy":
-        instr = f"In /home/user/app.ini, set `{k}` in the [{sec}] section to `{newv}`; the other sections stay as they are."
+        instr = (f"In /home/user/app.ini, set `{k}` in the [{sec}] section to `{newv}`; "
+                 "the other sections stay as they are.")
         rng_ = "/^\\[server\\]/,/^$/" if sec == "server" else "/^\\[client\\]/,$"
         sol = f"sed -i '{rng_} s/^{k} = .*/{k} = {newv}/' app.ini"
         return Spec(instr, sol, [("value", f"assert {new_lines[idx]!r} in nonblank('app.ini')"),
-                                 ("exact", f"assert text('app.ini') == {lines_text(new_lines)!r}")], [f], params=(k, sec, newv))
+                                 ("exact", f"assert text('app.ini') == {lines_text(new_lines)!r}")],
+                    [f], params=(k, sec, newv))
     k2 = keys[1]
     c_line = [i for i, ln in enumerate(new_lines) if ln.startswith(f"{k2} = ")][sections.index(sec)]
     new_lines[c_line] = "# " + new_lines[c_line]
@@ -634,7 +682,8 @@ def _config(rng, difficulty, variant):
         new_lines = new_lines + ["", "[logging]", "level = info"]
     instr = (f"In /home/user/app.ini, in the [{sec}] section only: set `{k}` to `{newv}`, comment out the `{k2}` line "
              f"(prefix it with `# `), and add the line `{add}` as the section's last line."
-             + (" Then append a new section `[logging]` with the line `level = info`, separated by one blank line." if difficulty == "hard" else ""))
+             + (" Then append a new section `[logging]` with the line `level = info`, separated by one blank line."
+                if difficulty == "hard" else ""))
     sol = ("python3 - <<'PY'\nlines = open('app.ini').read().split('\\n')[:-1]\nsec = None\nout = []\n"
            "for ln in lines:\n    if ln.startswith('['):\n        sec = ln.strip('[]')\n"
            f"    if sec == {sec!r} and ln.startswith({k + ' = '!r}):\n        ln = {k + ' = ' + newv!r}\n"
@@ -658,7 +707,8 @@ def _script(rng, difficulty, variant):
     path = f"bin/{name}.sh" if variant == "bash" else f"bin/{name}.py"
     lang = "a bash script" if variant == "bash" else "a Python 3 script (with a `#!/usr/bin/env python3` line)"
     runner = "['bash', str(HOME / %r)]" % path if variant == "bash" else "['python3', str(HOME / %r)]" % path
-    run = f"def run(*args):\n    return subprocess.run({runner} + list(args), capture_output=True, text=True, timeout=20)\n"
+    run = (f"def run(*args):\n"
+           f"    return subprocess.run({runner} + list(args), capture_output=True, text=True, timeout=20)\n")
     common = [("exists", f"assert (HOME / {path!r}).is_file()"), ("executable", f"assert mode({path!r}) & 0o100")]
     greet = rng.choice(("Hello", "Hi", "Welcome", "Greetings"))
     if difficulty == "easy":
@@ -667,7 +717,8 @@ def _script(rng, difficulty, variant):
         body = f"#!/bin/bash\necho \"{greet}, $1!\"" if variant == "bash" else \
             f"#!/usr/bin/env python3\nimport sys\nprint(f'{greet}, {{sys.argv[1]}}!')"
         names = rng.sample(NAMES, 2)
-        checks = common + [(f"greets_{i}", run + f"assert run({n!r}).stdout.strip() == '{greet}, {n}!'") for i, n in enumerate(names)]
+        checks = common + [(f"greets_{i}", run + f"assert run({n!r}).stdout.strip() == '{greet}, {n}!'")
+                           for i, n in enumerate(names)]
         return Spec(instr, f"mkdir -p bin\ncat > {path} <<'EOF'\n{body}\nEOF\nchmod +x {path}", checks, [],
                     outputs=[path], params=(name, greet, tuple(names)))
     if difficulty == "medium":
@@ -676,8 +727,10 @@ def _script(rng, difficulty, variant):
         body = "#!/bin/bash\ngrep -c . \"$1\"" if variant == "bash" else \
             "#!/usr/bin/env python3\nimport sys\nprint(sum(1 for l in open(sys.argv[1]) if l.strip()))"
         cases = [(rng.randint(1, 6), rng.randint(0, 3)) for _ in range(2)]
-        checks = common + [(f"counts_{i}", run + f"import tempfile\nwith tempfile.NamedTemporaryFile('w', suffix='.txt', delete=False) as f:\n"
-                            f"    f.write('x\\n' * {a} + '\\n' * {b} + 'y\\n')\nassert run(f.name).stdout.strip() == '{a + 1}'")
+        checks = common + [(f"counts_{i}", run + f"import tempfile\n"
+                            f"with tempfile.NamedTemporaryFile('w', suffix='.txt', delete=False) as f:\n"
+                            f"    f.write('x\\n' * {a} + '\\n' * {b} + 'y\\n')\n"
+                            f"assert run(f.name).stdout.strip() == '{a + 1}'")
                            for i, (a, b) in enumerate(cases)]
         return Spec(instr, f"mkdir -p bin\ncat > {path} <<'EOF'\n{body}\nEOF\nchmod +x {path}", checks, [],
                     outputs=[path], params=(name, tuple(cases)))
@@ -685,18 +738,26 @@ def _script(rng, difficulty, variant):
              "extension found directly in that folder (files only, the part after the last dot; files without a "
              "dot count as `none`), a line `EXT COUNT`, sorted by extension. Then run it on /home/user/inbox and "
              "save its output to /home/user/extensions.txt.")
-    files = [File(f"inbox/{rng.choice(WORDS)}{i}{rng.choice(('.txt', '.csv', '.md', '.py', ''))}", lines_text(["x"])) for i in range(rng.randint(4, 9))]
+    files = [File(f"inbox/{rng.choice(WORDS)}{i}{rng.choice(('.txt', '.csv', '.md', '.py', ''))}", lines_text(["x"]))
+             for i in range(rng.randint(4, 9))]
     exts = collections.Counter(f.path.rsplit(".", 1)[1] if "." in f.path.split("/")[-1] else "none" for f in files)
     want = [f"{e} {c}" for e, c in sorted(exts.items())]
-    body = ("#!/bin/bash\nfor f in \"$1\"/*; do [ -f \"$f\" ] || continue; b=$(basename \"$f\"); case \"$b\" in *.*) echo \"${b##*.}\";; "
+    body = ("#!/bin/bash\nfor f in \"$1\"/*; do [ -f \"$f\" ] || continue; b=$(basename \"$f\"); "
+            "case \"$b\" in *.*) echo \"${b##*.}\";; "
             "*) echo none;; esac; done | sort | uniq -c | awk '{print $2\" \"$1}'") if variant == "bash" else \
-        ("#!/usr/bin/env python3\nimport collections, os, sys\nc = collections.Counter()\nfor n in os.listdir(sys.argv[1]):\n"
-         "    if os.path.isfile(os.path.join(sys.argv[1], n)):\n        c[n.rsplit('.', 1)[1] if '.' in n else 'none'] += 1\n"
+        ("#!/usr/bin/env python3\nimport collections, os, sys\nc = collections.Counter()\n"
+         "for n in os.listdir(sys.argv[1]):\n"
+         "    if os.path.isfile(os.path.join(sys.argv[1], n)):\n"
+         "        c[n.rsplit('.', 1)[1] if '.' in n else 'none'] += 1\n"
          "for e in sorted(c):\n    print(e, c[e])")
     checks = common + [("output_file", f"assert nonblank('extensions.txt') == {want!r}"),
-                       ("fresh_folder", run + "import tempfile\nd = tempfile.mkdtemp()\nfor n in ('a.x', 'b.x', 'c'):\n    open(os.path.join(d, n), 'w').close()\n"
-                        "os.mkdir(os.path.join(d, 'sub.x'))\nassert run(d).stdout.split('\\n')[:2] == ['none 1', 'x 2']")]
-    return Spec(instr, f"mkdir -p bin\ncat > {path} <<'EOF'\n{body}\nEOF\nchmod +x {path}\n./{path} inbox > extensions.txt",
+                       ("fresh_folder", run + "import tempfile\nd = tempfile.mkdtemp()\n"
+                                              "for n in ('a.x', 'b.x', 'c'):\n"
+                                              "    open(os.path.join(d, n), 'w').close()\n"
+                                              "os.mkdir(os.path.join(d, 'sub.x'))\n"
+                                              "assert run(d).stdout.split('\\n')[:2] == ['none 1', 'x 2']")]
+    return Spec(instr, f"mkdir -p bin\ncat > {path} <<'EOF'\n{body}\nEOF\nchmod +x {path}\n"
+                       f"./{path} inbox > extensions.txt",
                 checks, files, outputs=[path, "extensions.txt"], params=(name, tuple(want)))
 
 
@@ -711,9 +772,11 @@ def _checksum(rng, difficulty, variant):
              for w in sorted(rng.sample(WORDS, rng.randint(2, 5)))]
     if difficulty == "easy":
         f = files[0]
-        instr = f"Write the {variant.upper()} checksum (hex digest only) of /home/user/{f.path} to /home/user/checksum.txt."
+        instr = (f"Write the {variant.upper()} checksum (hex digest only) of /home/user/{f.path} "
+                 "to /home/user/checksum.txt.")
         return Spec(instr, f"{tool} {f.path} | cut -d' ' -f1 > checksum.txt",
-                    answer_checks("checksum.txt", h(f.text.encode())), files[:1], outputs=["checksum.txt"], params=(folder, files[0].path))
+                    answer_checks("checksum.txt", h(f.text.encode())), files[:1], outputs=["checksum.txt"],
+                    params=(folder, files[0].path))
     manifest = "SHA256SUMS" if variant == "sha256" else "MD5SUMS"
     if difficulty == "medium":
         want = [f"{h(f.text.encode())}  {f.path.split('/')[-1]}" for f in files]
@@ -722,11 +785,14 @@ def _checksum(rng, difficulty, variant):
         return Spec(instr, f"cd {folder} && {tool} *.bin > {manifest}", lines_checks(f"{folder}/{manifest}", want),
                     files, outputs=[f"{folder}/{manifest}"], params=(folder, files[0].path, len(files)))
     bad = sorted(rng.sample([f.path.split("/")[-1] for f in files], rng.randint(1, max(1, len(files) - 1))))
-    man = File(f"{folder}/{manifest}", lines_text(f"{h((f.text + ('x' if f.path.split('/')[-1] in bad else '')).encode())}  {f.path.split('/')[-1]}" for f in files))
+    man = File(f"{folder}/{manifest}",
+               lines_text(f"{h((f.text + ('x' if f.path.split('/')[-1] in bad else '')).encode())}  "
+                          f"{f.path.split('/')[-1]}" for f in files))
     instr = (f"/home/user/{folder}/{manifest} lists the expected {variant.upper()} checksums of the .bin files next "
              f"to it. Write the names of the files whose checksum does not match, sorted, to /home/user/corrupted.txt, "
              "and move those files into /home/user/quarantine.")
-    sol = (f"cd {folder}\n{tool} -c {manifest} 2>/dev/null | grep ': FAILED$' | cut -d: -f1 | sort > ../corrupted.txt || true\n"
+    sol = (f"cd {folder}\n"
+           f"{tool} -c {manifest} 2>/dev/null | grep ': FAILED$' | cut -d: -f1 | sort > ../corrupted.txt || true\n"
            "cd ..\nmkdir -p quarantine\nwhile read -r n; do mv \"" + folder + "/$n\" quarantine/; done < corrupted.txt")
     good = [f.path for f in files if f.path.split("/")[-1] not in bad]
     checks = [("corrupted_list", f"assert nonblank('corrupted.txt') == {bad!r}"),
@@ -758,7 +824,8 @@ def _extract(rng, difficulty, variant):
         instr = (f"/home/user/{src} contains a line `{start}` and later a line `{end}`. Write the lines between them "
                  "(not the markers) to /home/user/section.txt.")
         sol = f"awk '$0 == \"{end}\" {{p = 0}} p {{print}} $0 == \"{start}\" {{p = 1}}' {src} > section.txt"
-        return Spec(instr, sol, lines_checks("section.txt", body[a:b]), [f], outputs=["section.txt"], params=(src, start, a, b))
+        return Spec(instr, sol, lines_checks("section.txt", body[a:b]), [f], outputs=["section.txt"],
+                    params=(src, start, a, b))
     folder = rng.choice(("notes", "todo", "src"))
     tag = rng.choice(("TODO", "FIXME", "XXX"))
     files, want = [], []
@@ -772,8 +839,10 @@ def _extract(rng, difficulty, variant):
              f"/home/user/{tag.lower()}s.txt as `FILE:LINE:TEXT` (file name without folder, 1-based line number), "
              "ordered by file name and then line number. Write the number of such lines to /home/user/count.txt.")
     sol = f"cd {folder} && grep -n {tag} *.txt > ../{tag.lower()}s.txt; cd .. && wc -l < {tag.lower()}s.txt > count.txt"
-    checks = lines_checks(f"{tag.lower()}s.txt", want) + [("count", f"assert text('count.txt').strip() == '{len(want)}'")]
-    return Spec(instr, sol, checks, files, outputs=[f"{tag.lower()}s.txt", "count.txt"], params=(folder, tag, len(want)))
+    checks = lines_checks(f"{tag.lower()}s.txt", want) + [
+        ("count", f"assert text('count.txt').strip() == '{len(want)}'")]
+    return Spec(instr, sol, checks, files, outputs=[f"{tag.lower()}s.txt", "count.txt"],
+                params=(folder, tag, len(want)))
 
 
 # --- renaming ---------------------------------------------------------------------------------------------
@@ -784,8 +853,10 @@ def _rename(rng, difficulty, variant):
     if difficulty == "easy":
         a, b = rng.sample(WORDS, 2)
         f = File(f"{folder}/{a}.txt", lines_text([sentence(rng)]))
-        return Spec(f"Rename /home/user/{folder}/{a}.txt to /home/user/{folder}/{b}.txt.", f"mv {folder}/{a}.txt {folder}/{b}.txt",
-                    [("new_name", f"assert text('{folder}/{b}.txt') == {f.text!r}"), ("old_gone", f"assert not (HOME / '{folder}/{a}.txt').exists()")],
+        return Spec(f"Rename /home/user/{folder}/{a}.txt to /home/user/{folder}/{b}.txt.",
+                    f"mv {folder}/{a}.txt {folder}/{b}.txt",
+                    [("new_name", f"assert text('{folder}/{b}.txt') == {f.text!r}"),
+                     ("old_gone", f"assert not (HOME / '{folder}/{a}.txt').exists()")],
                     [f], params=(folder, a, b))
     names = sorted(rng.sample(WORDS, rng.randint(3, 6)))
     if difficulty == "medium":
@@ -812,10 +883,12 @@ def _rename(rng, difficulty, variant):
     instr = (f"In /home/user/{folder}, rename every file so its name is all lower case with spaces replaced by "
              "underscores (e.g. `My File.TXT` becomes `my_file.txt`). Then write the new names, sorted, to "
              "/home/user/renamed.txt.")
-    sol = (f"cd {folder} && for f in *; do n=$(echo \"$f\" | tr 'A-Z ' 'a-z_'); [ \"$f\" = \"$n\" ] || mv \"$f\" \"$n\"; done\n"
+    sol = (f"cd {folder} && for f in *; do n=$(echo \"$f\" | tr 'A-Z ' 'a-z_'); "
+           f"[ \"$f\" = \"$n\" ] || mv \"$f\" \"$n\"; done\n"
            "ls | sort > ../renamed.txt")
     checks = [("names", f"assert sorted(os.listdir(HOME / {folder!r})) == {want!r}"),
-              ("content_kept", f"assert text({folder + '/' + raw[0].lower().replace(' ', '_')!r}) == {files[0].text!r}"),
+              ("content_kept",
+               f"assert text({folder + '/' + raw[0].lower().replace(' ', '_')!r}) == {files[0].text!r}"),
               ("listing", f"assert nonblank('renamed.txt') == {want!r}")]
     return Spec(instr, sol, checks, files, outputs=["renamed.txt"], params=(folder, tuple(names)))
 
@@ -839,20 +912,24 @@ def _layout(rng, difficulty, variant):
         instr = (f"Copy every file of /home/user/inbox into /home/user/backup-{stamp}/ (keep the originals), then "
                  f"write the number of copied files to /home/user/backup-{stamp}/COUNT.")
         sol = f"mkdir -p backup-{stamp}\ncp inbox/* backup-{stamp}/\nls inbox | wc -l > backup-{stamp}/COUNT"
-        checks = [(f"copy_{i}", f"assert text('backup-{stamp}/{f.path.split('/')[1]}') == {f.text!r}") for i, f in enumerate(loose)]
+        checks = [(f"copy_{i}", f"assert text('backup-{stamp}/{f.path.split('/')[1]}') == {f.text!r}")
+                  for i, f in enumerate(loose)]
         checks += [("originals", f"assert len(os.listdir(HOME / 'inbox')) == {len(loose)}"),
                    ("count", f"assert text('backup-{stamp}/COUNT').strip() == '{len(loose)}'")]
         if difficulty == "hard":
             instr += " Finally make the backup folder and its files read-only for everyone (folder 555, files 444)."
             sol += f"\nchmod 444 backup-{stamp}/*\nchmod 555 backup-{stamp}"
             checks += [("dir_mode", f"assert mode('backup-{stamp}') == 0o555"),
-                       ("file_modes", f"assert all(mode('backup-{stamp}/' + n) == 0o444 for n in os.listdir(HOME / 'backup-{stamp}'))")]
-        return Spec(instr, sol, checks, loose, outputs=[f"backup-{stamp}"], params=(stamp, tuple(f.path for f in loose)))
+                       ("file_modes", f"assert all(mode('backup-{stamp}/' + n) == 0o444 "
+                                      f"for n in os.listdir(HOME / 'backup-{stamp}'))")]
+        return Spec(instr, sol, checks, loose, outputs=[f"backup-{stamp}"],
+                    params=(stamp, tuple(f.path for f in loose)))
     instr = (f"Sort the files of /home/user/inbox into /home/user/{root}: .py files into {root}/src, .md files into "
              f"{root}/docs, .json files into {root}/config (create the folders; move, do not copy).")
     sol = f"mkdir -p {root}/src {root}/docs {root}/config\nmv inbox/*.py {root}/src/ 2>/dev/null || true\n" \
           f"mv inbox/*.md {root}/docs/ 2>/dev/null || true\nmv inbox/*.json {root}/config/ 2>/dev/null || true"
-    checks = [(f"moved_{i}", f"assert text('{root}/{where[f.path.rsplit('.', 1)[1]]}/{f.path.split('/')[1]}') == {f.text!r}")
+    checks = [(f"moved_{i}",
+               f"assert text('{root}/{where[f.path.rsplit('.', 1)[1]]}/{f.path.split('/')[1]}') == {f.text!r}")
               for i, f in enumerate(loose)]
     checks.append(("inbox_empty", "assert os.listdir(HOME / 'inbox') == []"))
     if difficulty == "hard":
@@ -871,7 +948,8 @@ def _merge(rng, difficulty, variant):
     folder = rng.choice(("parts", "chunks", "pieces"))
     if variant == "concat":
         n = {"easy": 2, "medium": rng.randint(3, 5), "hard": rng.randint(3, 5)}[difficulty]
-        parts = [File(f"{folder}/part{i + 1:02d}.txt", lines_text(sentence(rng) for _ in range(rng.randint(1, 4)))) for i in range(n)]
+        parts = [File(f"{folder}/part{i + 1:02d}.txt", lines_text(sentence(rng) for _ in range(rng.randint(1, 4))))
+                 for i in range(n)]
         whole = "".join(p.text for p in parts)
         if difficulty == "hard":
             instr = (f"Concatenate the files {folder}/part*.txt in /home/user in name order into /home/user/whole.txt, "
@@ -881,10 +959,12 @@ def _merge(rng, difficulty, variant):
             checks = [("whole", f"assert text('whole.txt') == {whole!r}"),
                       ("lines", f"assert text('lines.txt').strip() == '{whole.count(chr(10))}'"),
                       ("folder_gone", f"assert not (HOME / {folder!r}).exists()")]
-            return Spec(instr, sol, checks, parts, outputs=["whole.txt", "lines.txt"], params=(folder, n, whole.count(chr(10))))
+            return Spec(instr, sol, checks, parts, outputs=["whole.txt", "lines.txt"],
+                        params=(folder, n, whole.count(chr(10))))
         instr = f"Concatenate /home/user/{folder}/part*.txt in name order into /home/user/whole.txt."
         return Spec(instr, f"cat {folder}/part*.txt > whole.txt", [("exists", "assert (HOME / 'whole.txt').is_file()"),
-                    ("whole", f"assert text('whole.txt') == {whole!r}")], parts, outputs=["whole.txt"], params=(folder, n, whole.count(chr(10))))
+                    ("whole", f"assert text('whole.txt') == {whole!r}")], parts, outputs=["whole.txt"],
+                    params=(folder, n, whole.count(chr(10))))
     ids = rng.sample(NAMES, rng.randint(4, 8))
     emails = {i: f"{i}@{rng.choice(WORDS)}.org" for i in ids}
     cities = {i: rng.choice(WORDS).capitalize() for i in ids if rng.random() < 0.8 or i == ids[0]}
@@ -892,12 +972,14 @@ def _merge(rng, difficulty, variant):
     b = File(f"{folder}/cities.txt", lines_text(f"{i} {cities[i]}" for i in sorted(cities)))
     want = [f"{i} {emails[i]} {cities[i]}" for i in sorted(cities)]
     instr = (f"/home/user/{folder}/emails.txt has `NAME EMAIL` lines and /home/user/{folder}/cities.txt `NAME CITY` "
-             "lines, both sorted by name. Write `NAME EMAIL CITY` for every name present in both to /home/user/joined.txt, sorted by name.")
+             "lines, both sorted by name. Write `NAME EMAIL CITY` for every name present in both "
+             "to /home/user/joined.txt, sorted by name.")
     sol = f"join {folder}/emails.txt {folder}/cities.txt > joined.txt"
     checks = lines_checks("joined.txt", want)
     if difficulty == "hard":
         missing = sorted(set(ids) - set(cities))
-        instr += " Write the names that have an email but no city, sorted, to /home/user/missing.txt (empty file if none)."
+        instr += (" Write the names that have an email but no city, sorted, to /home/user/missing.txt "
+                  "(empty file if none).")
         sol += f"\njoin -v 1 {folder}/emails.txt {folder}/cities.txt | cut -d' ' -f1 > missing.txt"
         checks.append(("missing", f"assert nonblank('missing.txt') == {missing!r}"))
     return Spec(instr, sol, checks, [a, b], outputs=["joined.txt"], params=(folder, tuple(sorted(ids))))
@@ -920,29 +1002,35 @@ def _basic_step(rng, op: str, taken: set) -> tuple[str, str, list, list[File], l
 
     if op == "mkdir":
         d = fresh()
-        return (f"Create the directory /home/user/{d}.", f"mkdir {d}", [(f"{d}_is_dir", f"assert (HOME / {d!r}).is_dir()"), (f"{d}_is_empty", f"assert os.listdir(HOME / {d!r}) == []")],
+        return (f"Create the directory /home/user/{d}.", f"mkdir {d}",
+                [(f"{d}_is_dir", f"assert (HOME / {d!r}).is_dir()"),
+                 (f"{d}_is_empty", f"assert os.listdir(HOME / {d!r}) == []")],
                 [], [], [d], (op, d))
     if op == "touch":
         f = fresh(".txt")
         return (f"Create an empty file /home/user/{f}.", f"touch {f}",
-                [(f"{f[:-4]}_is_file", f"assert (HOME / {f!r}).is_file()"), (f"{f[:-4]}_is_empty", f"assert text({f!r}) == ''")],
+                [(f"{f[:-4]}_is_file", f"assert (HOME / {f!r}).is_file()"),
+                 (f"{f[:-4]}_is_empty", f"assert text({f!r}) == ''")],
                 [], [], [f], (op, f))
     if op == "write":
         f, word = fresh(".txt"), rng.choice(WORDS)
         return (f"Write the word {word} to the file /home/user/{f}.", f"echo {word} > {f}",
-                [(f"{f[:-4]}_is_file", f"assert (HOME / {f!r}).is_file()"), (f"{f[:-4]}_has_word", f"assert text({f!r}).strip() == {word!r}")],
+                [(f"{f[:-4]}_is_file", f"assert (HOME / {f!r}).is_file()"),
+                 (f"{f[:-4]}_has_word", f"assert text({f!r}).strip() == {word!r}")],
                 [], [], [f], (op, f, word))
     src = File(fresh(".log" if op == "remove" else ".txt"), lines_text([sentence(rng)]))
     if op == "copy":
         dst = fresh(".txt")
         return (f"Copy /home/user/{src.path} to /home/user/{dst}.", f"cp {src.path} {dst}",
-                [(f"{dst[:-4]}_is_copy", f"assert text({dst!r}) == {src.text!r}"), unchanged(src.path, src.text, f"{src.path[:-4]}_kept")],
+                [(f"{dst[:-4]}_is_copy", f"assert text({dst!r}) == {src.text!r}"),
+                 unchanged(src.path, src.text, f"{src.path[:-4]}_kept")],
                 [src], [], [dst], (op, src.path, dst))
     if op == "move":
         d = fresh()
         return (f"Move /home/user/{src.path} into the directory /home/user/{d}.", f"mv {src.path} {d}/",
                 [(f"{src.path[:-4]}_moved", f"assert text({d + '/' + src.path!r}) == {src.text!r}"),
-                 (f"{src.path[:-4]}_gone", f"assert not (HOME / {src.path!r}).exists()")], [src], [d], [], (op, src.path, d))
+                 (f"{src.path[:-4]}_gone", f"assert not (HOME / {src.path!r}).exists()")],
+                [src], [d], [], (op, src.path, d))
     other = File(src.path[:-4] + ".txt", lines_text([sentence(rng)]))  # the file beside it stays
     return (f"Delete the file /home/user/{src.path}.", f"rm {src.path}",
             [(f"{src.path[:-4]}_deleted", f"assert not (HOME / {src.path!r}).exists()"),
@@ -956,5 +1044,6 @@ def _basics(rng, difficulty, variant):
     taken: set = set()
     steps = [_basic_step(rng, op, taken) for op in ops]
     instr = " Then ".join(s[0] if i == 0 else s[0][0].lower() + s[0][1:] for i, s in enumerate(steps))
-    return Spec(instr, "\n".join(s[1] for s in steps), [c for s in steps for c in s[2]], [f for s in steps for f in s[3]],
-                dirs=[d for s in steps for d in s[4]], outputs=[o for s in steps for o in s[5]], params=tuple(s[6] for s in steps))
+    return Spec(instr, "\n".join(s[1] for s in steps), [c for s in steps for c in s[2]],
+                [f for s in steps for f in s[3]], dirs=[d for s in steps for d in s[4]],
+                outputs=[o for s in steps for o in s[5]], params=tuple(s[6] for s in steps))
