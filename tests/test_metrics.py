@@ -62,7 +62,7 @@ def test_update_record_sums_job_stats_and_derives_rates():
 
 
 def test_phases_are_worker_seconds_over_workers_and_waiting_is_the_rest_of_the_wall_clock():
-    m = SimpleNamespace(staleness_hist={0: 2}, dropped=0, reissued=0, wasted_seconds=0.0, utilization=0.9,
+    m = SimpleNamespace(staleness_hist={0: 2}, dropped=0, cancelled=0, reissued=0, wasted_seconds=0.0, utilization=0.9,
                         wall_seconds=10.0)
     # two members played as one batch by two of four workers: each worker waited for the whole batch
     batch = {"sandbox_start": 1.0, "prefill": 6.0, "decode": 4.0, "commands": 2.0, "grading": 1.0}

@@ -226,6 +226,7 @@ class RayRolloutPool:
             raise ValueError(f"store is at version {store.version}, coordinator at {coordinator.version}")
         self.coordinator, self.store, self.spec = coordinator, store, spec
         self.on_commit, self.clock, self.poll_seconds = on_commit, clock, poll_seconds
+        self.learner_seconds = 0.0  # how long the last learner step (store.commit) took; on_commit may read it
         self.slots = [ActorSlot(i) for i in range(n)]
         self.metrics: list[UpdateMetrics] = []
         self.bytes_sent = {"replay": 0, "copy": 0}  # payload bytes driver -> actors
@@ -440,7 +441,9 @@ class RayRolloutPool:
 
     def _commit(self, cohort: Cohort) -> None:
         """The learner step; no job of the new version starts before it is published (the loop is one thread)."""
+        t = self.clock()
         self.store.commit(cohort.seeds, cohort.fitness)
+        self.learner_seconds = self.clock() - t
         with self._cond:
             if self.on_commit is not None:
                 self.on_commit(cohort)
