@@ -4,6 +4,7 @@ and every job still gets its own result, accounting and re-issue."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,9 +20,12 @@ def fitness_of(job):  # what member `job` would score alone
     return float(job.member_seed % 7)
 
 
-def make_pool(config, job_fn, replicas, workers_per_replica, history, cohorts=None):
-    store = ParamStore({"w": np.zeros(2, np.float32)},
-                       apply_update=lambda p, o, s, z: ({"w": p["w"] + np.float32(np.sum(z))}, o),
+def make_pool(config, job_fn, replicas, workers_per_replica, history, cohorts=None, learner_seconds=0.0):
+    def apply_update(p, o, s, z):
+        time.sleep(learner_seconds)
+        return {"w": p["w"] + np.float32(np.sum(z))}, o
+
+    store = ParamStore({"w": np.zeros(2, np.float32)}, apply_update=apply_update,
                        shape=lambda f: f - f.mean(), replay=lambda p, s, z: {"w": p["w"] + np.float32(np.sum(z))},
                        max_replay=2)
     coord = Coordinator(config, member_seed=lambda g, v, i: 100 * v + i)
@@ -106,3 +110,23 @@ def test_batcher_groups_concurrent_jobs_by_version_and_weights():
         t.join(10)
     assert out == {0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0}
     assert sorted((sorted(ids), name) for ids, name in calls) == [([0, 1], "a"), ([2], "b"), ([3], "a")]
+
+
+def test_async_pool_on_one_replica_keeps_every_batch_whole():
+    """The workers of a batch get their results together; the one that completes a cohort commits it (a learner
+    step) while the others report. None of them takes a new job before its whole batch is reported, so the next
+    batch starts with every worker in it, not split into a part of the old version and a part of the new."""
+    batches, lock, history = [], threading.Lock(), {}
+    record = recording_batch_fn(batches, lock)
+
+    def batch_fn(jobs, params):  # a batch takes time, the same whatever its size (as a cohort batch roughly does)
+        time.sleep(0.15)
+        return record(jobs, params)
+
+    batcher = JobBatcher(batch_fn, max_batch=4, linger_s=0.05)
+    cfg = PoolConfig(population=8, num_workers=4, mode="async", max_staleness=1)
+    pool, store = make_pool(cfg, batcher, [Replica(0)], 4, history, learner_seconds=0.1)
+    with pool:
+        metrics = pool.run_until(5, timeout=30)
+    assert len(metrics) >= 5
+    assert batcher.batch_sizes[:10] == [4] * 10

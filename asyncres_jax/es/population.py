@@ -169,6 +169,12 @@ class LowRankPopulation:
         return dataclasses.replace(self, seed_b=jnp.take(self.seed_b, rows_idx),
                                    scale_b=jnp.take(self.scale_b, rows_idx))
 
+    def row_groups(self) -> np.ndarray:
+        """[B] a group id per row: rows with the same seed and sign * sigma run the same weights (the
+        generation engine computes a prompt prefix they share once per group)."""
+        keys = np.stack([np.asarray(self.seed_b, np.float64), np.asarray(self.scale_b, np.float64)], axis=1)
+        return np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
+
     def with_contraction(self, contraction: str) -> "LowRankPopulation":
         if contraction not in CONTRACTIONS:
             raise UserError(f"contraction={contraction!r} is not one of {', '.join(CONTRACTIONS)}")

@@ -10,14 +10,17 @@ Layout of the cache (all rows share slot indices):
   * A batch of new tokens (prompt, observation) is written left-padded as one block at the next free
     slots; long blocks are prefilled in chunks of PREFILL_CHUNK. Pads and the tails of rows that
     stopped early are holes that kv_valid masks; positions are counted per row, never from slots.
+  * A fresh cache whose rows run the same weights (no perturbation, or a population's rows of one
+    member) and share a prompt prefix (the system prompt) prefills its whole chunks once per group of
+    such rows on a small batch and copies them to the rows; the rest follows as the usual block.
   * Slots grow in buckets (SLOT_BUCKETS), rows in power-of-two buckets, blocks in power-of-two buckets,
     so an episode compiles a bounded number of programs whatever its turn lengths.
   * Decoding runs DECODE_CHUNK tokens per jitted call (a lax.while_loop that ends early once every row
-    is done). Between chunks the host checks stop strings on the decoded tail of each row (exact: the
-    token that completes a stop string is kept, later ones are rolled back), and rows that finished
-    leave the working batch when it can shrink to a smaller bucket. A chunk of 16 steps costs ~1 s at
-    batch 32 on CPU, so the host round trip (well under 1 ms) and the at most 15 wasted steps per turn
-    are noise next to a turn of hundreds of tokens.
+    is done: at EOS, its budget, or a token whose own text holds a stop string). Between chunks the
+    host checks stop strings on the decoded tail of each row (exact: the token that completes a stop
+    string is kept, later ones are rolled back; a row stopped on a token that completes none resumes),
+    and rows that finished leave the working batch when it can shrink to a smaller bucket. A chunk of
+    16 steps costs ~1 s at batch 32 on CPU; the host round trip is well under 1 ms.
   * Over the context limit (default 16,384 tokens) the oldest turns after the first prompt (system and
     task) are dropped and the cache is rebuilt; the same rebuild compacts the slots when holes have used
     them up.
@@ -154,6 +157,24 @@ def _put_rows(master, work, dest_idx):
 @functools.partial(jax.jit, static_argnames=("new_length",))
 def _grow(cache, *, new_length):
     return decoder.grow_cache(cache, new_length)
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix every sequence shares."""
+    first, n = seqs[0], min(len(t) for t in seqs)
+    for t in seqs[1:]:
+        diff = np.flatnonzero(np.asarray(t[:n]) != np.asarray(first[:n]))
+        n = int(diff[0]) if diff.size else n
+    return n
+
+
+def _row_groups(perturbation, n: int) -> np.ndarray | None:
+    """[n] group ids: rows of one group run the same weights, so they may share a prefix's KV. None: unknown
+    (a perturbation that does not say which rows share one), share nothing."""
+    if perturbation is None:
+        return np.zeros(n, np.int64)
+    groups = getattr(perturbation, "row_groups", None)
+    return None if groups is None else np.asarray(groups())[:n]
 
 
 def compiled_programs() -> dict[str, int]:
@@ -309,6 +330,7 @@ class Engine:
         self._data = 1 if self.mesh is None else self.mesh.shape["data"]
         # The most slots a cache ever has: a full context prefilled as one block, plus one decode chunk.
         self.max_slots = block_length(self.context_limit) + self.decode_chunk
+        self._stop_ids: dict[tuple[str, ...], set[int]] = {}  # stop strings -> the tokens holding one
 
     # -- placement -----------------------------------------------------------------------------------
 
@@ -479,6 +501,7 @@ class Engine:
         top_p = jnp.float32(sampling.top_p)
         base_key = seed_key(conv.seed)
         chunk = self.decode_chunk
+        ends = self._stop_token_ids(stop)
 
         # The working batch: rows of the conversation cache that are still generating (plus padding).
         work_map = np.arange(conv.kv_valid.shape[0])
@@ -521,7 +544,7 @@ class Engine:
                 params, work_cache, self._put(work_kv, P("data")), tok, pos, drawn, bud, done, rid, base_key,
                 jnp.int32(length), jnp.int32(chunk), temperature, top_p,
                 _perturbation_rows(perturbation, np.maximum(work_map, 0)),
-                cfg=self.cfg, mode=(greedy, top_k, use_top_p), chunk=chunk, eos=self.eos_ids)
+                cfg=self.cfg, mode=(greedy, top_k, use_top_p), chunk=chunk, eos=ends)
             work_kv = np.array(kv_dev)
             self._accept_chunk(conv, work_map, np.asarray(out_tok), np.asarray(out_lp), int(steps), length, work_kv,
                                stop, progress)
@@ -607,6 +630,17 @@ class Engine:
             raise UserError("stop strings need a tokenizer to decode text; this model has none")
         return stop
 
+    def _stop_token_ids(self, stop: tuple[str, ...]) -> tuple[int, ...]:
+        """EOS ids plus every token whose own text holds a stop string: the decode loop marks a row done at
+        one, so a chunk ends as soon as every row has stopped instead of running its remaining steps. The host
+        still finds the exact stop (_find_stop); a token that does not complete one just resumes next chunk."""
+        if not stop:
+            return self.eos_ids
+        if stop not in self._stop_ids:
+            texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))], skip_special_tokens=True)
+            self._stop_ids[stop] = {i for i, text in enumerate(texts) if any(s in text for s in stop)}
+        return tuple(sorted(self._stop_ids[stop] | set(self.eos_ids)))
+
     def _find_stop(self, reply: list[int], scanned: int, stop: tuple[str, ...]) -> tuple[int, int] | None:
         """(index of the token that completes the first stop string, end of it in the text) or None.
 
@@ -636,16 +670,18 @@ class Engine:
     def _prefill_pending(self, params, conv: Conversation, perturbation) -> Conversation:
         """Bring the cache up to date: every row's tokens except the last go in (one left-padded block)."""
         n = len(conv.rows)
-        if conv.cache is None or conv.rebuild:
+        fresh = conv.cache is None or conv.rebuild
+        if fresh:
             bb = self._batch_bucket(n)
             conv = dataclasses.replace(conv, cache=None, kv_valid=np.zeros((bb, 0), bool),
                                        n_cached=np.zeros(n, np.int64), length=0, rebuild=False)
+            conv = self._prefill_shared(params, conv, perturbation)
         todo = [r.tokens[c:len(r.tokens) - 1] for r, c in zip(conv.rows, conv.n_cached)]
         t_max = max(len(t) for t in todo)
         if t_max == 0 and conv.cache is not None:
             return conv
         block = block_length(max(t_max, 1))
-        if conv.cache is not None and conv.length + block + self.decode_chunk > self.max_slots:
+        if not fresh and conv.length + block + self.decode_chunk > self.max_slots:
             return self._prefill_pending(params, dataclasses.replace(conv, rebuild=True), perturbation)
         bb = conv.kv_valid.shape[0]
         need = self._slots(conv.length + block + self.decode_chunk)
@@ -688,6 +724,49 @@ class Engine:
         stats["prefill_slots"] += bb * block
         n_cached = np.asarray([len(r.tokens) - 1 for r in conv.rows], np.int64)
         return dataclasses.replace(conv, cache=cache, kv_valid=kv_valid, n_cached=n_cached, length=L + block)
+
+    def _prefill_shared(self, params, conv: Conversation, perturbation) -> Conversation:
+        """Into a fresh cache, the whole prefill chunks of prompt prefix that rows of one weight group share.
+
+        A cohort's rows are members x tasks under one system prompt: each member's rows share the prompt's
+        first hundreds of tokens. Their keys and values are computed once per group (member) on a small batch
+        and copied to the group's rows; the rest of each row follows as the usual left-padded block. Rows keep
+        the same positions and masks, so attention sees the same keys and values.
+        """
+        n = len(conv.rows)
+        todo = [r.tokens[:len(r.tokens) - 1] for r in conv.rows]
+        shared = _common_prefix(todo) // PREFILL_CHUNK * PREFILL_CHUNK
+        groups = _row_groups(perturbation, n)
+        if shared == 0 or groups is None:
+            return conv
+        _, first_row, group_of_row = np.unique(groups, return_index=True, return_inverse=True)
+        if len(first_row) == n:  # every row its own group: nothing to share
+            return conv
+        bb, gb = conv.kv_valid.shape[0], self._batch_bucket(len(first_row))
+        rest = max(len(t) for t in todo) - shared
+        need = self._slots(shared + block_length(max(rest, 1)) + self.decode_chunk)
+        leaders = np.resize(first_row, gb)  # padding rows repeat the first groups
+        tokens = np.tile(np.asarray(todo[0][:shared], np.int32), (gb, 1))
+        positions = np.tile(np.arange(shared, dtype=np.int32), (gb, 1))
+        kv_valid = np.zeros((bb, need), bool)
+        kv_valid[:, :shared] = True
+        kv_dev = self._put(kv_valid[:1].repeat(gb, 0), P("data"))
+        group_pert = _perturbation_rows(perturbation, leaders)
+        t = time.monotonic()
+        cache = self._new_cache(params, gb, need)
+        for c0 in range(0, shared, PREFILL_CHUNK):
+            c1 = c0 + PREFILL_CHUNK
+            cache = _prefill(params, cache, kv_dev, self._put(tokens[:, c0:c1], P("data")),
+                             self._put(positions[:, c0:c1], P("data")), jnp.int32(c0), group_pert, cfg=self.cfg)
+        rows_idx = np.concatenate([group_of_row, np.zeros(bb - n, np.int64)]).astype(np.int32)  # padding: row 0's
+        cache = _take_rows(cache, self._put(rows_idx))
+        jax.block_until_ready(cache)
+        stats = conv.stats
+        stats["prefill_seconds"] += time.monotonic() - t
+        stats["prefill_tokens"] += n * shared  # the rows' tokens, as if each row had been prefilled alone
+        stats["prefill_slots"] += gb * shared  # the cells computed
+        return dataclasses.replace(conv, cache=cache, kv_valid=kv_valid, n_cached=np.full(n, shared, np.int64),
+                                   length=shared)
 
     # -- text API ------------------------------------------------------------------------------------
 

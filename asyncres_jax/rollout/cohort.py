@@ -21,6 +21,8 @@ PopulationPolicy gives row (member i, task j) the row id j, as in member i's own
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -119,8 +121,8 @@ def run_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backen
 
 
 class _Group:
-    def __init__(self, params: Params):
-        self.params, self.jobs, self.closed, self.done = params, [], False, threading.Event()
+    def __init__(self, params: Params, serial: int):
+        self.params, self.serial, self.jobs, self.closed, self.done = params, serial, [], False, threading.Event()
         self.results: list[JobResult] | None = None
         self.error: BaseException | None = None
 
@@ -133,6 +135,9 @@ class JobBatcher:
     wait for their result. If batch_fn raises, every job of the group raises it (and is re-issued by the pool).
     Groups are keyed by (dispatch version, the params object): a replica's workers share one params object
     per version, so jobs never mix weights or devices.
+
+    Each result's stats name its batch (`batch_id`, unique per batcher and batch; `batch_members`), so the pool
+    can wait for a whole batch to be reported before its workers take new jobs (rollout/pool.py).
     """
 
     def __init__(self, batch_fn: Callable[[list[Job], Params], list[JobResult]], max_batch: int,
@@ -143,6 +148,7 @@ class JobBatcher:
         self._cond = threading.Condition()
         self._open: dict[tuple[int, int], _Group] = {}
         self.batch_sizes: list[int] = []  # of every batch run, in order (for tests and stats)
+        self._serials = itertools.count()
 
     def __call__(self, job: Job, params: Params) -> JobResult:
         key = (job.dispatch_version, id(params))
@@ -150,7 +156,7 @@ class JobBatcher:
             group = self._open.get(key)
             lead = group is None
             if lead:
-                group = self._open[key] = _Group(params)
+                group = self._open[key] = _Group(params, next(self._serials))
             group.jobs.append(job)
             index = len(group.jobs) - 1
             if len(group.jobs) >= self.max_batch:
@@ -181,7 +187,9 @@ class JobBatcher:
             group.done.wait()
         if group.error is not None:
             raise group.error
-        return group.results[index]
+        result = group.results[index]
+        batch = {"batch_id": f"{id(self):x}.{group.serial}", "batch_members": len(group.jobs)}
+        return dataclasses.replace(result, stats={**result.stats, **batch})
 
     def _close(self, key, group: _Group) -> None:
         group.closed = True

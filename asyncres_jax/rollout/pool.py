@@ -26,6 +26,7 @@ from asyncres_jax.rollout.coordinator import Attempt, Cohort, Coordinator, Job, 
 from asyncres_jax.rollout.store import ParamStore
 
 Params = Any
+BATCH_WAIT_S = 2.0  # how long a worker waits for the rest of its batch to be reported before taking a new job
 
 
 @dataclasses.dataclass
@@ -80,6 +81,7 @@ class RolloutPool:
         # of its dispatch version, which may no longer be the store's current one.
         self._params_at: dict[int, Params] = {}
         self._cancel_events: dict[int, threading.Event] = {}  # attempt id -> set when the coordinator cancels it
+        self._batch_left: dict[str, int] = {}  # batch id (JobBatcher) -> its results not yet reported
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "RolloutPool":
@@ -213,6 +215,7 @@ class RolloutPool:
                     del self._cancel_events[attempt.attempt_id]
                     now = self.clock()
                     cohort = self.coordinator.on_result(attempt.attempt_id, result, now)
+                    self._count_batch(result.stats)
                     committed = cohort is not None
                     while cohort is not None:  # paced admission can complete the next cohort as well
                         self._pending.append(cohort)
@@ -222,8 +225,37 @@ class RolloutPool:
                     self._cond.notify_all()
                 if committed:
                     self._publish()
+                self._await_batch(result.stats)
         except BaseException as e:  # a bug in the pool, store or on_commit: stop everything, report it
             self._fail(e)
+
+    def _count_batch(self, stats) -> None:
+        """One more result of its batch reported (call under the pool lock)."""
+        batch = stats.get("batch_id")
+        if batch is not None:
+            left = self._batch_left.get(batch, int(stats.get("batch_members", 1))) - 1
+            if left > 0:
+                self._batch_left[batch] = left
+            else:
+                self._batch_left.pop(batch, None)
+
+    def _await_batch(self, stats) -> None:
+        """Wait (at most BATCH_WAIT_S) until every result of this worker's batch is reported.
+
+        The workers of a batch get their results at once. Without this, the first to report (often the one
+        completing a cohort) takes a new job and, after the batcher's short linger, plays it in a batch of one
+        or two while its batch mates are still reporting: async runs on one replica split every cohort into
+        small batches of old and new versions, each costing nearly a full batch's time."""
+        batch = stats.get("batch_id")
+        if batch is None:
+            return
+        end = time.monotonic() + BATCH_WAIT_S
+        with self._cond:
+            while batch in self._batch_left and not self._stop:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(min(left, self.poll_seconds))
 
     def _published(self) -> bool:
         """Every cohort the coordinator formed is applied and announced (call under the pool lock)."""

@@ -1,0 +1,90 @@
+"""Two shortcuts of the generation engine that change its cost, never its output: a prompt prefix shared by rows
+of the same weights is prefilled once per group of rows, and a token that holds a stop string ends the decode
+loop without running the rest of its chunk."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncres_jax import es
+from asyncres_jax.es.population import LowRankPopulation
+from asyncres_jax.model.generate import PREFILL_CHUNK, Engine, _common_prefix, block_length
+from asyncres_jax.model.tiny import tiny_model
+
+ES = es.ESConfig(population=4, sigma=0.05, noise="lowrank", rank=2)
+SEEDS = [es.member_seed(3, 0, k) for k in range(2)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, context_limit=2048)
+
+
+def prompts(engine, tails=("list the files", "hi", "count the lines and sort them")):
+    """Rows with a ~300-token common prefix (two whole prefill chunks), then their own task."""
+    system = engine.encode("you are a terse shell agent. answer with one command. " * 6)
+    assert len(system) > 2 * PREFILL_CHUNK
+    return [system + engine.encode(t) for t in tails]
+
+
+def generated(conv, r):
+    return conv.tokens[r][conv.generated_mask[r]].tolist()
+
+
+def test_common_prefix_is_the_longest_prefix_every_row_shares():
+    assert _common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert _common_prefix([[7, 8], [7, 8, 9]]) == 2
+    assert _common_prefix([[1], [2]]) == 0
+
+
+def test_rows_sharing_a_prefix_generate_what_each_row_generates_alone(model, engine):
+    rows = prompts(engine)
+    conv = engine.start_tokens(model.params, rows, seed=0)
+    conv, _ = engine.generate(model.params, conv, 12)
+    for r, p in enumerate(rows):
+        alone, _ = engine.generate(model.params, engine.start_tokens(model.params, [p], seed=0), 12)
+        assert generated(conv, r) == generated(alone, 0), f"row {r}"
+    # the shared whole chunks were computed once (one group, batch bucket 1), the rest per row (bucket 4)
+    shared = _common_prefix([p[:-1] for p in rows]) // PREFILL_CHUNK * PREFILL_CHUNK
+    assert shared == 2 * PREFILL_CHUNK
+    rest = block_length(max(len(p) - 1 for p in rows) - shared)
+    assert conv.stats["prefill_slots"] == 1 * shared + 4 * rest
+    assert conv.stats["prefill_tokens"] == sum(len(p) - 1 for p in rows)
+
+
+def test_a_population_shares_the_prefix_per_member_and_each_row_is_its_members_own(model, engine):
+    rows = prompts(engine)
+    signs = [1, -1]
+    pop = LowRankPopulation.create(model.params, ES, SEEDS, signs, rows_per_member=len(rows))
+    assert pop.row_groups().tolist() == [0, 0, 0, 1, 1, 1] or pop.row_groups().tolist() == [1, 1, 1, 0, 0, 0]
+    conv = engine.start_tokens(model.params, rows * 2, seed=0, perturbation=pop)
+    conv, _ = engine.generate(model.params, conv, 10, perturbation=pop)
+    shared = 2 * PREFILL_CHUNK
+    rest = block_length(max(len(p) - 1 for p in rows) - shared)
+    assert conv.stats["prefill_slots"] == 2 * shared + 8 * rest  # two members: two group rows, then 6 rows in 8
+    for m, (seed, sign) in enumerate(zip(SEEDS, signs)):
+        weights = es.perturb(model.params, seed, ES, sign=sign)
+        for t, p in enumerate(rows):
+            alone, _ = engine.generate(weights, engine.start_tokens(weights, [p], seed=0), 10)
+            assert generated(conv, m * len(rows) + t) == generated(alone, 0), f"member {m} task {t}"
+
+
+def test_a_token_holding_a_stop_string_ends_the_decode_loop_at_once(model):
+    e = Engine(model, context_limit=2048)
+    e.eos_ids = ()  # only the stop string can end the reply early
+    p = prompts(e)[:1]
+    full, _ = e.generate(model.params, e.start_tokens(model.params, p, seed=0), 14)
+    reply = generated(full, 0)
+    assert full.stats["decode_steps"] == 14
+    # a step k whose token's own text holds a string no earlier token's text holds
+    text_of = [e.decode([t]) for t in reply]
+    k, stop = next((k, s) for k, s in enumerate(text_of[:12]) if k >= 2 and s
+                   and not any(s in x for x in text_of[:k]) and s not in e.decode(reply[:k]))
+    got, texts = e.generate(model.params, e.start_tokens(model.params, p, seed=0), 14, stop=(stop,))
+    assert generated(got, 0) == reply[:k + 1] and texts[0].endswith(stop)
+    assert got.stats["decode_steps"] == k + 1  # not the whole chunk of 16
