@@ -120,6 +120,9 @@ class ESSection:
     noise: str = opt("iid", "iid (full rank), shared (equal-shaped leaves share noise) or lowrank (EGGROLL)")
     rank: int = opt(1, "rank r of low-rank noise")
     shaping: str = opt("zscore", "fitness shaping: zscore, centered_rank or raw")
+    shaping_groups: str = opt("none", "none (the paper's rule: shape the whole cohort together) or batch (shape the "
+                                      "results of each task batch apart: a stale result is compared only with results "
+                                      "played on its tasks; a result alone on its batch gets 0; not with raw)")
     antithetic: bool = opt(False, "mirrored pairs (+eps, -eps); population must be even")
     optimizer: str = opt("sgd", "sgd (the paper's rule) or adam")
     divide_by_sigma: bool = opt(False, "estimate sum z_i eps_i / (N sigma) (the textbook gradient) instead of / N")
@@ -154,6 +157,9 @@ class PoolSection:
     max_staleness: int = opt(1, "K: results staler than K updates are dropped (async)")
     held_back: int = opt(3, "controlled: results of each cohort held back")
     delay: int = opt(4, "controlled: updates by which held-back results are delayed")
+    held_back_tasks: str = opt("dispatch", "controlled: the task batch a held-back job plays: dispatch (its own "
+                                           "version's) or landing (that of the cohort it is held back for, so it "
+                                           "shares tasks with the fresh results there; see es.shaping_groups)")
     pace_admission: bool = opt(False, "async: start a job only if its result is sure to be accepted; cohorts "
                                "are formed in dispatch order and a commit waits for its slowest job (nothing "
                                "dropped or cancelled, no bias toward fast episodes, idle workers instead)")
@@ -169,6 +175,10 @@ class PoolSection:
     def __post_init__(self):
         _choice("pool", "mode", self.mode, ("sync", "async", "controlled"))
         _choice("pool", "backend", self.backend, ("threads", "ray"))
+        _choice("pool", "held_back_tasks", self.held_back_tasks, ("dispatch", "landing"))
+        if self.held_back_tasks != "dispatch" and self.mode != "controlled":
+            raise UserError(f"pool.held_back_tasks={self.held_back_tasks} needs pool.mode=controlled (mode is "
+                            f"{self.mode}): only controlled schedules hold results back")
         _positive("pool", "ray_actors", self.ray_actors, allow_zero=True)
         _positive("pool", "ray_cpus_per_actor", self.ray_cpus_per_actor, allow_zero=True)
         _positive("pool", "ray_gpus_per_actor", self.ray_gpus_per_actor, allow_zero=True)

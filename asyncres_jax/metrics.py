@@ -68,12 +68,14 @@ def update_phases(stats: Iterable[dict], wall_seconds: float, num_workers: int, 
 
 
 def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metrics: Any, stats: Iterable[dict],
-                  elapsed_s: float, *, num_workers: int = 1, learner_seconds: float = 0.0) -> dict:
+                  elapsed_s: float, *, num_workers: int = 1, learner_seconds: float = 0.0,
+                  task_versions: np.ndarray | None = None) -> dict:
     """The record of one committed ES update.
 
     update: the version this update published; fitness/staleness: the cohort's values; metrics: the
     coordinator's UpdateMetrics; stats: each result's JobResult.stats (summed where numeric: tokens, episodes);
-    num_workers: the pool's worker threads; learner_seconds: the learner step within this update (see PHASES).
+    num_workers: the pool's worker threads; learner_seconds: the learner step within this update (see PHASES);
+    task_versions: the task batch each result was played on (None: one batch).
     """
     fitness = np.asarray(fitness, np.float64)
     stats = list(stats)
@@ -90,6 +92,7 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
         "fitness_min": float(fitness.min()),
         "fitness_max": float(fitness.max()),
         "staleness_hist": hist,
+        **batch_spread(fitness, task_versions),
         "stale_fraction": float(np.mean(np.asarray(staleness) > 0)),
         "dropped": int(metrics.dropped),
         "cancelled": int(metrics.cancelled),  # running jobs stopped because a commit made them too stale
@@ -109,6 +112,16 @@ def update_record(update: int, fitness: np.ndarray, staleness: np.ndarray, metri
         "prefill_slots": int(round(totals.get("prefill_slots", 0))),
         "phases": update_phases(stats, float(metrics.wall_seconds), num_workers, learner_seconds),
     }
+
+
+def batch_spread(fitness: np.ndarray, task_versions: np.ndarray | None) -> dict:
+    """How many task batches a cohort's results were played on, and the mean over batches (of two results or more:
+    one result has no spread) of the raw fitness std within a batch (None when no batch has two): the spread that
+    the members' perturbations make, without the batches' difficulty."""
+    groups = np.zeros(len(fitness), int) if task_versions is None else np.asarray(task_versions)
+    stds = [float(fitness[groups == g].std()) for g in np.unique(groups) if np.sum(groups == g) > 1]
+    return {"task_batches": int(len(np.unique(groups))),
+            "fitness_std_within_batch": float(np.mean(stds)) if stds else None}
 
 
 def phases_line(phases: dict) -> str:

@@ -43,7 +43,8 @@ CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS, LOCK_FILE = "config.yaml", "manifest.js
 SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps", "pool.backend", "pool.ray_address", "pool.ray_actors",
                 "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor", "eval.base_from")
 ADDED_KEYS = ("es.divide_by_sigma", "es.weight_decay", "es.adam_b1", "es.adam_b2", "es.adam_eps", "episode.reward_key",
-              "episode.start_retries", "episode.system_prompt", "pool.pace_admission")
+              "episode.start_retries", "episode.system_prompt", "pool.pace_admission", "es.shaping_groups",
+              "pool.held_back_tasks")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
             "safetensors", "omegaconf", "asyncres-jax")
 

@@ -51,7 +51,8 @@ def pool_config(cfg: TrainConfig, num_workers: int) -> PoolConfig:
         population=cfg.es.population, num_workers=num_workers, mode=p.mode,
         max_staleness={"async": p.max_staleness, "sync": 0, "controlled": None}[p.mode],
         held_back=p.held_back if controlled else 0, delay=p.delay if controlled else 0,
-        global_seed=cfg.seed, deadline_seconds=p.job_deadline_s, paced=p.pace_admission)
+        global_seed=cfg.seed, deadline_seconds=p.job_deadline_s, paced=p.pace_admission,
+        held_back_tasks=p.held_back_tasks if controlled else "dispatch")
 
 
 def check_supported(cfg: TrainConfig) -> None:
@@ -177,7 +178,7 @@ class ESTrainer(Trainer):
         record = metrics.update_record(version, cohort.fitness, cohort.staleness, cohort.metrics,
                                        [r.stats for r in cohort.results], self.elapsed(),
                                        num_workers=self.coordinator.config.num_workers,
-                                       learner_seconds=self._learner_s)
+                                       learner_seconds=self._learner_s, task_versions=cohort.task_versions)
         self._learner_s = self.pool.learner_seconds  # this step runs within the next update's wall clock
         self.metrics.write(record, samples=[r.stats.get("transcript") for r in cohort.results])
         log(f"update {version}/{self.cfg.es.updates}: fitness {record['fitness_mean']:.4f} "

@@ -303,3 +303,22 @@ def test_a_job_cancelled_by_a_commit_stops_in_its_actor_which_takes_new_jobs(clu
     assert all(sum(s.syncs.values()) >= 2 for s in pool.slots)  # both actors ran jobs after the cancellation
     assert 0 not in {r.job.job_id for c in cohorts for r in c.results}
     assert_each_job_counted_once(cohorts, coord, n=3)
+
+
+def test_batch_shaping_gets_each_results_task_batch_as_in_the_thread_pool(cluster):
+    # Controlled, delay 1, held-back jobs on their own version's tasks: from update 1 on each cohort holds one
+    # result of another task batch, which es.shaping_groups=batch leaves alone (z = 0: nothing to compare it with).
+    import dataclasses
+
+    cfg = dataclasses.replace(es_cfg(), shaping_groups="batch")
+    pool_cfg = PoolConfig(population=N, num_workers=2, mode="controlled", held_back=1, delay=1, global_seed=2)
+    ref_store, ref_cohorts = run_threads(cfg, pool_cfg)
+    store, coord, pool, cohorts = run_ray(cfg, pool_cfg)
+
+    assert [c.task_versions.tolist() for c in cohorts] == [c.task_versions.tolist() for c in ref_cohorts]
+    for c in cohorts:
+        (entry,) = store.entries(c.version, c.version + 1)
+        np.testing.assert_array_equal(entry.shaped, es.shape_fitness(c.fitness, cfg, c.task_versions))
+        assert entry.shaped[c.task_versions != c.version].tolist() == [0.0] * (c.version > 0)
+    for a, b in zip(jax.tree.leaves(store.params), jax.tree.leaves(ref_store.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

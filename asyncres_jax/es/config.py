@@ -10,6 +10,7 @@ from asyncres_jax.errors import UserError
 
 NOISE_MODES = ("iid", "shared", "lowrank")
 SHAPINGS = ("zscore", "centered_rank", "raw")
+SHAPING_GROUPS = ("none", "batch")
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -21,6 +22,7 @@ class ESConfig:
     noise: str = "iid"  # iid | shared (equal-shaped leaves share one draw) | lowrank (EGGROLL A B^T / sqrt(r))
     rank: int = 1  # r of lowrank noise
     shaping: str = "zscore"  # zscore | centered_rank | raw
+    shaping_groups: str = "none"  # none (the whole cohort together) | batch (each task batch apart: shaping.py)
     antithetic: bool = False  # N members = N/2 seeds: member 2k = (+, seed k), member 2k+1 = (-, seed k)
     optimizer: str = "sgd"  # sgd (the paper's rule) | adam
     divide_by_sigma: bool = False  # estimate sum z_i eps_i / (N sigma) (the textbook gradient) instead of / N
@@ -45,6 +47,10 @@ class ESConfig:
             bad("noise", f"choose one of {', '.join(NOISE_MODES)}")
         if self.shaping not in SHAPINGS:
             bad("shaping", f"choose one of {', '.join(SHAPINGS)}")
+        if self.shaping_groups not in SHAPING_GROUPS:
+            bad("shaping_groups", f"choose one of {', '.join(SHAPING_GROUPS)}")
+        if self.shaping_groups != "none" and self.shaping == "raw":
+            bad("shaping_groups", "raw fitness is not shaped at all; use shaping=zscore or centered_rank with it")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"choose one of {', '.join(OPTIMIZERS)}")
         if self.antithetic and self.population % 2:

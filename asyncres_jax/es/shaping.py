@@ -36,17 +36,51 @@ def centered_ranks(r_n: np.ndarray) -> np.ndarray:
     return avg[tie_group] / (n - 1) - 0.5
 
 
-def shape_fitness(fitness, cfg: ESConfig) -> np.ndarray:
+def shape_fitness(fitness, cfg: ESConfig, groups=None) -> np.ndarray:
     """z_i for each member (float32 [N]).
 
     zscore: (R - mean) / (population std + 1e-8). When all R are equal z is exactly 0, even where rounding
     would leave mean(R) an ulp away from the common value.
+    groups: each member's task batch (any hashable labels, [N]). With cfg.shaping_groups == "batch" each batch is
+    shaped on its own (shape_within_groups); with "none" (the paper's rule) they are ignored.
     """
     r_n = check_fitness(fitness, cfg)
     if cfg.shaping == "raw":
         return r_n.astype(np.float32)
+    if cfg.shaping_groups == "batch" and groups is not None:
+        return shape_within_groups(r_n, groups, cfg.shaping).astype(np.float32)
+    return _shape(r_n, cfg.shaping).astype(np.float32)
+
+
+def _shape(r_n: np.ndarray, shaping: str) -> np.ndarray:
+    """zscore or centered_rank of one set of results, float64."""
     if r_n.max() == r_n.min():
-        return np.zeros(cfg.population, np.float32)
-    if cfg.shaping == "centered_rank":
-        return centered_ranks(r_n).astype(np.float32)
-    return ((r_n - r_n.mean()) / (r_n.std() + 1e-8)).astype(np.float32)
+        return np.zeros(r_n.size)
+    if shaping == "centered_rank":
+        return centered_ranks(r_n)
+    return (r_n - r_n.mean()) / (r_n.std() + 1e-8)
+
+
+def shape_within_groups(r_n: np.ndarray, groups_n, shaping: str) -> np.ndarray:
+    """Shape each group (the results played on one task batch) apart from the others, float64 [N].
+
+    Results played on different task batches are not comparable (a batch's difficulty moves every score on it),
+    so each is compared only with the results of its own batch. A group of one has no reference: z = 0.
+    centered_rank: a group of k ranks is rescaled by sqrt((N+1)(k-1) / ((N-1)(k+1))) so that its ranks have the
+    variance of a whole cohort's (N) ranks; zscore: each group is standardised on its own.
+    """
+    groups_n = np.asarray(groups_n)
+    n = r_n.size
+    if groups_n.shape != (n,):
+        raise UserError(f"got {groups_n.size} group labels of shape {groups_n.shape} for {n} fitness values; "
+                        "pass one task-batch label per member")
+    z_n = np.zeros(n)
+    for g in np.unique(groups_n):
+        in_g = groups_n == g
+        k = int(in_g.sum())
+        if k == 1:
+            continue
+        z_n[in_g] = _shape(r_n[in_g], shaping)
+        if shaping == "centered_rank":
+            z_n[in_g] *= np.sqrt((n + 1) * (k - 1) / ((n - 1) * (k + 1)))
+    return z_n

@@ -88,15 +88,15 @@ def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backe
                 work: dict[str, float] | None = None) -> list[list[EpisodeResult]]:
     """Play `tasks` once per job's member, all members x tasks episodes in one batch; episodes per job.
 
-    The jobs must be of one version (same task batch and sampling seed). ModelPolicy options (first_reply_prefix,
+    The jobs must be of one task version (same task batch and sampling seed). ModelPolicy options (first_reply_prefix,
     command_per_line) come with episode_cfg. `work`: as run_episodes'.
     """
     if es_cfg.noise != "lowrank":
         raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
     if not jobs:
         return []
-    if len({(j.dispatch_version, j.task_batch_id, j.sampling_seed) for j in jobs}) != 1:
-        raise ValueError("play_cohort: the jobs are not of one version (task batch and sampling seed differ)")
+    if len({(j.task_version, j.task_batch_id, j.sampling_seed) for j in jobs}) != 1:
+        raise ValueError("play_cohort: the jobs are not of one task version (task batch and sampling seed differ)")
     n_tasks = len(tasks)
     population = LowRankPopulation.create(params, es_cfg, [j.member_seed for j in jobs],
                                           [es_cfg.member_sign(j.member_index) for j in jobs], rows_per_member=n_tasks,
@@ -133,8 +133,8 @@ class JobBatcher:
     The first job of a group leads: it waits until `max_batch` jobs joined or none joined for `linger_s`
     seconds, then calls batch_fn(jobs, params) -> list[JobResult] (one per job, in order) while the others
     wait for their result. If batch_fn raises, every job of the group raises it (and is re-issued by the pool).
-    Groups are keyed by (dispatch version, the params object): a replica's workers share one params object
-    per version, so jobs never mix weights or devices.
+    Groups are keyed by (dispatch version, task version, the params object): a replica's workers share one
+    params object per version, so jobs never mix weights or devices, and a batch's jobs share their tasks.
 
     Each result's stats name its batch (`batch_id`, unique per batcher and batch; `batch_members`), so the pool
     can wait for a whole batch to be reported before its workers take new jobs (rollout/pool.py).
@@ -146,12 +146,12 @@ class JobBatcher:
             raise UserError(f"max_batch={max_batch} must be at least 1")
         self.batch_fn, self.max_batch, self.linger_s = batch_fn, max_batch, linger_s
         self._cond = threading.Condition()
-        self._open: dict[tuple[int, int], _Group] = {}
+        self._open: dict[tuple[int, int, int], _Group] = {}
         self.batch_sizes: list[int] = []  # of every batch run, in order (for tests and stats)
         self._serials = itertools.count()
 
     def __call__(self, job: Job, params: Params) -> JobResult:
-        key = (job.dispatch_version, id(params))
+        key = (job.dispatch_version, job.task_version, id(params))  # one batch plays one task batch
         with self._cond:
             group = self._open.get(key)
             lead = group is None

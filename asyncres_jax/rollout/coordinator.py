@@ -23,6 +23,9 @@ Schedules
     warmed up (v >= d) each cohort holds N - m fresh results and m results exactly d updates old. Before
     that, cohorts are filled with fresh results (N + m jobs per version). Which members are held is fixed by
     member index, never by arrival order, so the schedule does not favour fast or slow rollouts.
+    held_back_tasks: a held-back job plays its own version's task batch ("dispatch", what a late result would
+    have played) or that of the cohort it will land in ("landing": version + d, known at dispatch), so that it
+    shares common random numbers with the fresh results it is compared with (es.shaping_groups).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 from asyncres_jax.errors import UserError
 
 Mode = Literal["sync", "async", "controlled"]
+HELD_BACK_TASKS = ("dispatch", "landing")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,7 @@ class PoolConfig:
     refund_dropped: bool = True  # the "+ dropped + cancelled" in admission control (False only to show why)
     cancel_stale: bool = True  # cancel running jobs that a commit made too stale (False: run them, then drop)
     paced: bool = False  # async: cohorts in dispatch order, every dispatched job accepted (module docstring)
+    held_back_tasks: str = "dispatch"  # controlled: held-back jobs play dispatch's or landing's tasks (docstring)
 
     def __post_init__(self):
         n, w = self.population, self.num_workers
@@ -84,6 +89,11 @@ class PoolConfig:
             raise UserError(f"deadline_seconds={self.deadline_seconds} must be positive (or None for no deadline)")
         if self.max_attempts < 1:
             raise UserError(f"max_attempts={self.max_attempts} must be at least 1")
+        if self.held_back_tasks not in HELD_BACK_TASKS:
+            raise UserError(f"held_back_tasks={self.held_back_tasks!r} is not one of {', '.join(HELD_BACK_TASKS)}")
+        if self.held_back_tasks != "dispatch" and self.mode != "controlled":
+            raise UserError(f"held_back_tasks={self.held_back_tasks} applies to mode=controlled only "
+                            f"(mode is {self.mode}): other schedules hold nothing back")
         if self.paced and self.mode != "async":
             raise UserError(f"paced admission applies to mode=async only (mode is {self.mode}); "
                             "barrier schedules never drop a result")
@@ -118,6 +128,13 @@ class Job:
     member_seed: int
     task_batch_id: int
     sampling_seed: int
+    # The version whose task batch and sampling seed the job plays (common random numbers are shared by the jobs
+    # of one task version); None: its dispatch version. Controlled schedules may give held-back jobs a later one.
+    task_version: int | None = None
+
+    def __post_init__(self):
+        if self.task_version is None:
+            object.__setattr__(self, "task_version", self.dispatch_version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +202,11 @@ class Cohort:
     @property
     def staleness(self) -> np.ndarray:
         return np.asarray([self.version - r.job.dispatch_version for r in self.results])
+
+    @property
+    def task_versions(self) -> np.ndarray:
+        """The version whose task batch each result was played on: results of one task version are comparable."""
+        return np.asarray([r.job.task_version for r in self.results])
 
 
 def batch_seeds(global_seed: int, version: int) -> tuple[int, int]:
@@ -305,17 +327,20 @@ class Coordinator:
         return self.dispatched < cap
 
     def _new_job(self) -> Job:
-        v, i = self.version, self._next_member
-        task_batch_id, sampling_seed = batch_seeds(self.config.global_seed, v)
+        c, v, i = self.config, self.version, self._next_member
+        held = c.mode == "controlled" and i >= c.fresh_per_version(v)
+        task_version = v + c.delay if held and c.held_back_tasks == "landing" else v
+        task_batch_id, sampling_seed = batch_seeds(c.global_seed, task_version)
         job = Job(
             job_id=self._next_job_id,
             dispatch_version=v,
             member_index=i,
-            member_seed=int(self._member_seed(self.config.global_seed, v, i)),
+            member_seed=int(self._member_seed(c.global_seed, v, i)),
             task_batch_id=task_batch_id,
             sampling_seed=sampling_seed,
+            task_version=task_version,
         )
-        if self.config.mode == "controlled" and i >= self.config.fresh_per_version(v):
+        if held:
             self._held_jobs.add(job.job_id)
         self._next_job_id += 1
         self._next_member += 1

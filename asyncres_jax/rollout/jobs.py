@@ -12,7 +12,8 @@ threaded pool and every Ray actor build theirs with `es_job_fn` (or `fake_job_fn
 
 Task batches walk a per-epoch permutation of the train split: the batch of version v is the v-th slice of
 `tasks_per_member` tasks, so every member of a cohort sees the same tasks (common random numbers) and the data
-cursor is a function of the version alone.
+cursor is a function of the version alone. A job plays the batch of its task version (job.task_version: its
+dispatch version, or for a held-back job of pool.held_back_tasks=landing, the version of the cohort it lands in).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def cohort_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.
     engine_for = engines_per_mesh(model, episode_cfg.context_limit)
 
     def batch_fn(jobs, params):
-        batch = task_batch(tasks, global_seed, jobs[0].dispatch_version, tasks_per_member)
+        batch = task_batch(tasks, global_seed, jobs[0].task_version, tasks_per_member)
         return run_cohort(engine_for(params), params, jobs, batch, backend, episode_cfg, es_cfg, fitness=fitness)
     return JobBatcher(batch_fn, max_batch=max_batch)
 
@@ -131,7 +132,7 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
     def job_fn(job: Job, params) -> JobResult:
         t, work = time.monotonic(), dict.fromkeys(PHASES, 0.0)
         perturbed = es.perturb(params, job.member_seed, es_cfg, sign=es_cfg.member_sign(job.member_index))
-        batch = task_batch(tasks, global_seed, job.dispatch_version, tasks_per_member)
+        batch = task_batch(tasks, global_seed, job.task_version, tasks_per_member)
         policy = policy_factory(engine_for(params), perturbed, episode_cfg)
         results = run_episodes(policy, batch, backend, episode_cfg, seed=job.sampling_seed, work=work)
         seconds = time.monotonic() - t

@@ -270,7 +270,7 @@ class RolloutPool:
                         return
                     cohort = self._pending[0]
                 t = self.clock()
-                self.store.commit(cohort.seeds, cohort.fitness)
+                self.store.commit(cohort.seeds, cohort.fitness, cohort.task_versions)
                 self.learner_seconds = self.clock() - t
                 with self._cond:  # on_commit sees the new version before any job of it can start
                     if self.on_commit is not None:

@@ -442,7 +442,7 @@ class RayRolloutPool:
     def _commit(self, cohort: Cohort) -> None:
         """The learner step; no job of the new version starts before it is published (the loop is one thread)."""
         t = self.clock()
-        self.store.commit(cohort.seeds, cohort.fitness)
+        self.store.commit(cohort.seeds, cohort.fitness, cohort.task_versions)
         self.learner_seconds = self.clock() - t
         with self._cond:
             if self.on_commit is not None:

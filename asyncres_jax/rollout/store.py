@@ -2,6 +2,7 @@
 
 The ES math is injected, so this module does not depend on asyncres_jax.es:
     shape(fitness_n) -> shaped_n
+    shape_grouped(fitness_n, groups_n) -> shaped_n   # optional: shaping that knows each result's task batch
     apply_update(params, opt_state, seeds, shaped_n) -> (params, opt_state)   # the learner's step
     replay(params, seeds, shaped_n) -> params                                # the same step without state
 `replay` exists only for the paper's SGD rule, where an update is a pure function of (seeds, shaped fitness):
@@ -37,6 +38,7 @@ class ParamStore:
         *,
         apply_update: Callable[[Params, Any, np.ndarray, np.ndarray], tuple[Params, Any]],
         shape: Callable[[np.ndarray], np.ndarray],
+        shape_grouped: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
         replay: Callable[[Params, np.ndarray, np.ndarray], Params] | None = None,
         max_replay: int = 4,
         version: int = 0,
@@ -45,6 +47,7 @@ class ParamStore:
         # weights once; past a few updates behind, a copy is cheaper (tune for the interconnect).
         self.params, self.opt_state, self.version = params, opt_state, version
         self._apply_update, self._shape, self._replay = apply_update, shape, replay
+        self._shape_grouped = shape_grouped
         self.max_replay = max_replay
         self._log: dict[int, LogEntry] = {}
         self.log_start = version  # the oldest version the log can bring forward
@@ -56,10 +59,15 @@ class ParamStore:
         with self._lock:
             return self.version, self.params
 
-    def commit(self, seeds, fitness) -> LogEntry:
-        """One ES update from a cohort: shape, apply, log, publish version + 1."""
-        seeds = np.asarray(seeds)
-        shaped = np.asarray(self._shape(np.asarray(fitness, np.float32)), np.float32)
+    def commit(self, seeds, fitness, groups=None) -> LogEntry:
+        """One ES update from a cohort: shape, apply, log, publish version + 1.
+
+        groups: each result's task batch (its task version), for shape_grouped; without either, shape()."""
+        seeds, fitness = np.asarray(seeds), np.asarray(fitness, np.float32)
+        if groups is not None and self._shape_grouped is not None:
+            shaped = np.asarray(self._shape_grouped(fitness, np.asarray(groups)), np.float32)
+        else:
+            shaped = np.asarray(self._shape(fitness), np.float32)
         with self._commit_lock:  # readers (snapshot, plan, entries) are not blocked by the learner step
             params, opt_state = self._apply_update(self.params, self.opt_state, seeds, shaped)
             with self._lock:
