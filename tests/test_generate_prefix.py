@@ -88,3 +88,25 @@ def test_a_token_holding_a_stop_string_ends_the_decode_loop_at_once(model):
     got, texts = e.generate(model.params, e.start_tokens(model.params, p, seed=0), 14, stop=(stop,))
     assert generated(got, 0) == reply[:k + 1] and texts[0].endswith(stop)
     assert got.stats["decode_steps"] == k + 1  # not the whole chunk of 16
+
+
+def test_a_prefill_chunk_computes_only_the_rows_with_tokens_in_it(model, engine):
+    """One long observation makes every row's block long; its first chunks hold that row's tokens alone."""
+    tails = [f"task {i}" for i in range(16)]
+    rows = [engine.encode(t) for t in tails]
+    observations = [engine.encode("the output was long " * 3)] + [engine.encode("ok")] * 15
+    conv = engine.start_tokens(model.params, rows, seed=0)
+    conv, _ = engine.generate(model.params, conv, 4)
+    conv = engine.extend_tokens(conv, observations)
+    before = conv.stats["prefill_slots"]
+    conv, _ = engine.generate(model.params, conv, 6)
+    # the pending reply token and the observation go in: the long row needs 4 chunks of 16, the others 1;
+    # three chunks run on a batch of 8 (the smallest work batch), the last on all 16 rows
+    longest = max(len(o) + 1 for o in observations)
+    assert block_length(longest) == 64 and max(len(o) + 1 for o in observations[1:]) <= 16
+    assert conv.stats["prefill_slots"] - before == 3 * 16 * 8 + 16 * 16
+    for r in (0, 1, 15):
+        alone = engine.start_tokens(model.params, [rows[r]], seed=0)
+        alone, _ = engine.generate(model.params, alone, 4)
+        alone, _ = engine.generate(model.params, engine.extend_tokens(alone, [observations[r]]), 6)
+        assert generated(conv, r) == generated(alone, 0), f"row {r}"

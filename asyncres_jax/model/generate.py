@@ -10,9 +10,11 @@ Layout of the cache (all rows share slot indices):
   * A batch of new tokens (prompt, observation) is written left-padded as one block at the next free
     slots; long blocks are prefilled in chunks of PREFILL_CHUNK. Pads and the tails of rows that
     stopped early are holes that kv_valid masks; positions are counted per row, never from slots.
+    A chunk computes only the rows with tokens in it (in their batch bucket): left padding leaves a
+    block's first chunks to its longest rows.
   * A fresh cache whose rows run the same weights (no perturbation, or a population's rows of one
-    member) and share a prompt prefix (the system prompt) prefills its whole chunks once per group of
-    such rows on a small batch and copies them to the rows; the rest follows as the usual block.
+    member) and share a prompt prefix (the system prompt) prefills it once per group of such rows
+    on a small batch and copies it to the rows; the rest follows as the usual block.
   * Slots grow in buckets (SLOT_BUCKETS), rows in power-of-two buckets, blocks in power-of-two buckets,
     so an episode compiles a bounded number of programs whatever its turn lengths.
   * Decoding runs DECODE_CHUNK tokens per jitted call (a lax.while_loop that ends early once every row
@@ -52,6 +54,7 @@ from asyncres_jax.model.sharding import cache_spec
 
 DEFAULT_CONTEXT_LIMIT = 16384
 PREFILL_CHUNK = 128
+SHORT_CHUNK = 16  # the chunk of short blocks (observations) and of a shared prefix's tail
 MIN_WORK_BATCH = 8  # below this a decode step costs about the same (weight reads dominate)
 DECODE_CHUNK = 16
 STATS = ("prefill_seconds", "prefill_tokens", "prefill_slots", "decode_seconds", "decode_steps")
@@ -70,7 +73,7 @@ def block_length(n: int) -> int:
 def prefill_chunk(n: int) -> int:
     """Short blocks (observations) go in chunks of 16, long ones in chunks of 128: only two prefill shapes
     per cache size, so compiles stay few whatever the observation lengths."""
-    return 16 if n <= 64 else PREFILL_CHUNK
+    return SHORT_CHUNK if n <= 64 else PREFILL_CHUNK
 
 
 def slot_bucket(n: int) -> int:
@@ -709,24 +712,55 @@ class Engine:
         L = conv.length
         kv_valid = kv_valid.copy()
         kv_valid[:, L:L + block] = valid
-        kv_dev = self._put(kv_valid, P("data"))
-        rows_pert = _perturbation_rows(perturbation, np.where(np.arange(bb) < n, np.arange(bb), 0))  # padding: row 0
-        step, t = prefill_chunk(block), time.monotonic()
-        for c0 in range(0, block, step):
-            c1 = c0 + step
-            cache = _prefill(params, cache, kv_dev, self._put(tokens[:, c0:c1], P("data")),
-                             self._put(positions[:, c0:c1], P("data")), jnp.int32(L + c0), rows_pert,
-                             cfg=self.cfg)
+        conv_row = np.where(np.arange(bb) < n, np.arange(bb), 0)  # padding rows: row 0
+        step, t, slots = prefill_chunk(block), time.monotonic(), 0
+        for chunks, rows in self._chunk_rows(valid, step):
+            run_rows = None if rows is None else self._put(rows)
+            sub = cache if rows is None else _take_rows(cache, run_rows)
+            idx = slice(None) if rows is None else rows
+            kv_sub = self._put(kv_valid[idx], P("data"))
+            pert = _perturbation_rows(perturbation, conv_row[idx])
+            for c0 in chunks:
+                c1 = c0 + step
+                sub = _prefill(params, sub, kv_sub, self._put(tokens[idx, c0:c1], P("data")),
+                               self._put(positions[idx, c0:c1], P("data")), jnp.int32(L + c0), pert, cfg=self.cfg)
+            slots += len(chunks) * step * (bb if rows is None else len(rows))
+            if rows is None:
+                cache = sub
+            else:  # back into the cache; the bucket's padding rows (index bb) are dropped
+                dest = np.where(np.arange(len(rows)) < np.unique(rows).size, rows, bb).astype(np.int32)
+                cache = _put_rows(cache, sub, self._put(dest))
         jax.block_until_ready(cache)  # so that the prefill's time is counted here, not in the next decode
         stats = conv.stats
         stats["prefill_seconds"] += time.monotonic() - t
         stats["prefill_tokens"] += int(valid[:n].sum())
-        stats["prefill_slots"] += bb * block
+        stats["prefill_slots"] += slots
         n_cached = np.asarray([len(r.tokens) - 1 for r in conv.rows], np.int64)
         return dataclasses.replace(conv, cache=cache, kv_valid=kv_valid, n_cached=n_cached, length=L + block)
 
+    def _chunk_rows(self, valid_bt: np.ndarray, step: int) -> list[tuple[list[int], np.ndarray | None]]:
+        """The block's chunks in runs, each with the rows it computes: None for all of them, else the rows with
+        tokens in the run's chunks, padded to their batch bucket by repeating the first (dropped on the way back).
+
+        Left padding puts only the longest rows' tokens in a block's first chunks (one long observation makes
+        every row's block long); computing the padding rows there would cost as much as real tokens."""
+        bb, block = valid_bt.shape
+        runs: list[tuple[list[int], np.ndarray | None]] = []
+        for c0 in range(0, block, step):
+            active = np.flatnonzero(valid_bt[:, c0:c0 + step].any(1))
+            bucket = self._batch_bucket(max(1, active.size), bb)
+            if bucket >= bb:
+                rows = None
+            else:
+                rows = np.concatenate([active, np.full(bucket - active.size, active[0] if active.size else 0)])
+            if runs and (runs[-1][1] is None) == (rows is None) and (rows is None or runs[-1][1].size == rows.size):
+                runs[-1] = (runs[-1][0] + [c0], rows)  # the same bucket: this chunk's rows hold the earlier ones'
+            else:
+                runs.append(([c0], rows))
+        return [(chunks, None if rows is None else rows.astype(np.int32)) for chunks, rows in runs]
+
     def _prefill_shared(self, params, conv: Conversation, perturbation) -> Conversation:
-        """Into a fresh cache, the whole prefill chunks of prompt prefix that rows of one weight group share.
+        """Into a fresh cache, the prompt prefix (in whole short chunks) that rows of one weight group share.
 
         A cohort's rows are members x tasks under one system prompt: each member's rows share the prompt's
         first hundreds of tokens. Their keys and values are computed once per group (member) on a small batch
@@ -735,7 +769,7 @@ class Engine:
         """
         n = len(conv.rows)
         todo = [r.tokens[:len(r.tokens) - 1] for r in conv.rows]
-        shared = _common_prefix(todo) // PREFILL_CHUNK * PREFILL_CHUNK
+        shared = _common_prefix(todo) // SHORT_CHUNK * SHORT_CHUNK
         groups = _row_groups(perturbation, n)
         if shared == 0 or groups is None:
             return conv
@@ -754,8 +788,9 @@ class Engine:
         group_pert = _perturbation_rows(perturbation, leaders)
         t = time.monotonic()
         cache = self._new_cache(params, gb, need)
-        for c0 in range(0, shared, PREFILL_CHUNK):
-            c1 = c0 + PREFILL_CHUNK
+        long_part = shared // PREFILL_CHUNK * PREFILL_CHUNK  # whole long chunks, then short ones up to `shared`
+        bounds = list(range(0, long_part, PREFILL_CHUNK)) + list(range(long_part, shared + 1, SHORT_CHUNK))
+        for c0, c1 in zip(bounds, bounds[1:]):
             cache = _prefill(params, cache, kv_dev, self._put(tokens[:, c0:c1], P("data")),
                              self._put(positions[:, c0:c1], P("data")), jnp.int32(c0), group_pert, cfg=self.cfg)
         rows_idx = np.concatenate([group_of_row, np.zeros(bb - n, np.int64)]).astype(np.int32)  # padding: row 0's
