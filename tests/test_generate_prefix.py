@@ -90,21 +90,22 @@ def test_a_token_holding_a_stop_string_ends_the_decode_loop_at_once(model):
     assert got.stats["decode_steps"] == k + 1  # not the whole chunk of 16
 
 
-def test_a_prefill_chunk_computes_only_the_rows_with_tokens_in_it(model, engine):
-    """One long observation makes every row's block long; its first chunks hold that row's tokens alone."""
-    tails = [f"task {i}" for i in range(16)]
-    rows = [engine.encode(t) for t in tails]
-    observations = [engine.encode("the output was long " * 3)] + [engine.encode("ok")] * 15
+@pytest.mark.parametrize("repeats", [3, 6])  # an observation block of 64 slots (short chunks), of 128 (long ones)
+def test_a_prefill_chunk_computes_only_the_rows_with_tokens_in_it(model, engine, repeats):
+    """One long observation makes every row's block long; its first chunks hold that row's tokens alone, and a
+    block that is mostly padding goes in short chunks so that those chunks run on a small batch."""
+    rows = [engine.encode(f"task {i}") for i in range(16)]
+    observations = [engine.encode("the output was long " * repeats)] + [engine.encode("ok")] * 15
     conv = engine.start_tokens(model.params, rows, seed=0)
     conv, _ = engine.generate(model.params, conv, 4)
     conv = engine.extend_tokens(conv, observations)
     before = conv.stats["prefill_slots"]
     conv, _ = engine.generate(model.params, conv, 6)
-    # the pending reply token and the observation go in: the long row needs 4 chunks of 16, the others 1;
-    # three chunks run on a batch of 8 (the smallest work batch), the last on all 16 rows
-    longest = max(len(o) + 1 for o in observations)
-    assert block_length(longest) == 64 and max(len(o) + 1 for o in observations[1:]) <= 16
-    assert conv.stats["prefill_slots"] - before == 3 * 16 * 8 + 16 * 16
+    # the pending reply token and the observation go in: the short rows fit in the last chunk of 16, the long
+    # row's earlier chunks run on a batch of 8 (the smallest work batch), the last chunk on all 16 rows
+    long_row = len(observations[0]) + 1
+    assert max(len(o) + 1 for o in observations[1:]) <= 16 and long_row > 64 * (repeats == 6)
+    assert conv.stats["prefill_slots"] - before == (-(-long_row // 16) - 1) * 8 * 16 + 16 * 16
     for r in (0, 1, 15):
         alone = engine.start_tokens(model.params, [rows[r]], seed=0)
         alone, _ = engine.generate(model.params, alone, 4)

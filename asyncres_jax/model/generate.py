@@ -714,6 +714,8 @@ class Engine:
         kv_valid[:, L:L + block] = valid
         conv_row = np.where(np.arange(bb) < n, np.arange(bb), 0)  # padding rows: row 0
         step, t, slots = prefill_chunk(block), time.monotonic(), 0
+        if valid[:n].mean() < 0.75:  # mostly padding (one long observation): short chunks skip the padding rows
+            step = SHORT_CHUNK
         for chunks, rows in self._chunk_rows(valid, step):
             run_rows = None if rows is None else self._put(rows)
             sub = cache if rows is None else _take_rows(cache, run_rows)
@@ -748,11 +750,13 @@ class Engine:
         runs: list[tuple[list[int], np.ndarray | None]] = []
         for c0 in range(0, block, step):
             active = np.flatnonzero(valid_bt[:, c0:c0 + step].any(1))
-            bucket = self._batch_bucket(max(1, active.size), bb)
+            if active.size == 0:  # all padding (a block rounded up to whole long chunks): nothing to compute
+                continue
+            bucket = self._batch_bucket(active.size, bb)
             if bucket >= bb:
                 rows = None
             else:
-                rows = np.concatenate([active, np.full(bucket - active.size, active[0] if active.size else 0)])
+                rows = np.concatenate([active, np.full(bucket - active.size, active[0])])
             if runs and (runs[-1][1] is None) == (rows is None) and (rows is None or runs[-1][1].size == rows.size):
                 runs[-1] = (runs[-1][0] + [c0], rows)  # the same bucket: this chunk's rows hold the earlier ones'
             else:
