@@ -21,8 +21,8 @@ Layout of the cache (all rows share slot indices):
     is done: at EOS, its budget, or a token whose own text holds a stop string). Between chunks the
     host checks stop strings on the decoded tail of each row (exact: the token that completes a stop
     string is kept, later ones are rolled back; a row stopped on a token that completes none resumes),
-    and rows that finished leave the working batch when it can shrink to a smaller bucket. A chunk of
-    16 steps costs ~1 s at batch 32 on CPU; the host round trip is well under 1 ms.
+    and rows that finished leave the working batch when it can shrink to a smaller bucket. A step at
+    batch 32 costs ~0.2 s on CPU (a cohort batch), the host round trip well under 1 ms.
   * Over the context limit (default 16,384 tokens) the oldest turns after the first prompt (system and
     task) are dropped and the cache is rebuilt; the same rebuild compacts the slots when holes have used
     them up.
@@ -56,7 +56,7 @@ DEFAULT_CONTEXT_LIMIT = 16384
 PREFILL_CHUNK = 128
 SHORT_CHUNK = 16  # the chunk of short blocks (observations) and of a shared prefix's tail
 MIN_WORK_BATCH = 8  # below this a decode step costs about the same (weight reads dominate)
-DECODE_CHUNK = 16
+DECODE_CHUNK = 8  # short: finished rows leave the working batch at the next chunk boundary
 STATS = ("prefill_seconds", "prefill_tokens", "prefill_slots", "decode_seconds", "decode_steps")
 
 
