@@ -778,9 +778,12 @@ class Engine:
         if shared == 0 or groups is None:
             return conv
         _, first_row, group_of_row = np.unique(groups, return_index=True, return_inverse=True)
-        if len(first_row) == n:  # every row its own group: nothing to share
+        bb = conv.kv_valid.shape[0]
+        # The groups' batch never goes below the smallest work batch (a smaller one would compile programs of its
+        # own, per device, for little gain); where that is the whole batch, there is nothing to save.
+        gb = self._batch_bucket(len(first_row), bb)
+        if gb >= bb:
             return conv
-        bb, gb = conv.kv_valid.shape[0], self._batch_bucket(len(first_row))
         rest = max(len(t) for t in todo) - shared
         need = self._slots(shared + block_length(max(rest, 1)) + self.decode_chunk)
         leaders = np.resize(first_row, gb)  # padding rows repeat the first groups
