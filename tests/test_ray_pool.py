@@ -9,6 +9,7 @@ Without ray installed these tests skip, except under CI=true, where they fail (C
 import json
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -102,6 +103,11 @@ def run_ray(cfg, pool_cfg, **build_kw):
     try:
         pool.run_until(UPDATES, timeout=150)
         pool.drain(timeout=60)
+        # A drained coordinator no longer waits for attempts it cancelled, but their actors still run them, and
+        # one of them may be the crashing job (a slow actor's, cancelled as too stale): let every actor report.
+        deadline = time.monotonic() + 60
+        while any(s.attempt is not None for s in pool.slots) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         pool.shutdown()
     return store, coord, pool, cohorts
