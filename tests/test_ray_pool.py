@@ -9,7 +9,6 @@ Without ray installed these tests skip, except under CI=true, where they fail (C
 import json
 import os
 import sys
-import time
 
 import jax
 import numpy as np
@@ -105,9 +104,7 @@ def run_ray(cfg, pool_cfg, **build_kw):
         pool.drain(timeout=60)
         # A drained coordinator no longer waits for attempts it cancelled, but their actors still run them, and
         # one of them may be the crashing job (a slow actor's, cancelled as too stale): let every actor report.
-        deadline = time.monotonic() + 60
-        while any(s.attempt is not None for s in pool.slots) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        pool._wait_for(lambda: all(s.attempt is None for s in pool.slots), 60, "every actor's report")
     finally:
         pool.shutdown()
     return store, coord, pool, cohorts
