@@ -9,7 +9,7 @@ import pytest
 
 from asyncres_jax.errors import UserError
 from asyncres_jax.model.decoder import forward
-from asyncres_jax.model.generate import Engine, compiled_programs
+from asyncres_jax.model.generate import Engine, compiled_programs, slot_bucket
 from asyncres_jax.model.tiny import tiny_model
 
 _forward = jax.jit(forward, static_argnames="cfg")
@@ -173,6 +173,12 @@ def test_rolling_context_drops_the_oldest_turns_after_the_task(model):
     assert a.tokens[0].tolist() == b.tokens[0].tolist()
 
 
+def test_slot_buckets_are_powers_of_two_and_three_quarters_of_the_next_one_from_384():
+    assert sorted({slot_bucket(n) for n in range(1, 3073)}) == [64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072]
+    assert [slot_bucket(n) for n in (64, 65, 384, 385, 512, 513, 769)] == [64, 128, 384, 512, 512, 768, 1024]
+    assert all(n <= slot_bucket(n) < 1.5 * n for n in range(257, 5000))  # at most a third of a bucket is spare
+
+
 def test_a_16_turn_episode_compiles_a_bounded_number_of_programs(model):
     e = Engine(model, context_limit=4096)
     prompts = [[{"role": "user", "content": f"task {i}"}] for i in range(6)]
@@ -190,12 +196,13 @@ def test_a_16_turn_episode_compiles_a_bounded_number_of_programs(model):
     after = compiled_programs()
     model_programs = after["model"] - before["model"]
     small_programs = after["small"] - before["small"]
-    # One row bucket (8: it never shrinks below), slot buckets 64..512: a decode and at most two prefill
-    # shapes per slot bucket, whatever the 16 different observation and reply lengths were.
+    # One row bucket (8: it never shrinks below), the slot buckets the cache went through (64 up to 3072 for
+    # ~2100 slots: two per doubling): a decode and at most two prefill shapes per slot bucket, whatever the 16
+    # different observation and reply lengths were.
     assert len(conv.rows) == 3 and conv.length > 256
-    slot_buckets = int(np.log2(conv.kv_valid.shape[1] // 64)) + 1  # 64, 128, ... up to the final cache size
-    assert model_programs <= 3 * slot_buckets and model_programs < 16, (model_programs, slot_buckets)
-    assert small_programs <= 10, small_programs
+    slot_buckets = len({slot_bucket(n) for n in range(1, conv.kv_valid.shape[1] + 1)})  # up to the final size
+    assert slot_buckets <= 10 and model_programs <= 3 * slot_buckets, (model_programs, slot_buckets)
+    assert small_programs <= slot_buckets + 3, (small_programs, slot_buckets)  # a growth per bucket, a few gathers
 
 
 def test_bad_input_is_a_user_error(model, engine):

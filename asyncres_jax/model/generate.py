@@ -15,7 +15,7 @@ Layout of the cache (all rows share slot indices):
   * A fresh cache whose rows run the same weights (no perturbation, or a population's rows of one
     member) and share a prompt prefix (the system prompt) prefills it once per group of such rows
     on a small batch and copies it to the rows; the rest follows as the usual block.
-  * Slots grow in buckets (SLOT_BUCKETS), rows in power-of-two buckets, blocks in power-of-two buckets,
+  * Slots grow in buckets (slot_bucket), rows in power-of-two buckets, blocks in power-of-two buckets,
     so an episode compiles a bounded number of programs whatever its turn lengths.
   * Decoding runs DECODE_CHUNK tokens per jitted call (a lax.while_loop that ends early once every row
     is done: at EOS, its budget, or a token whose own text holds a stop string). Between chunks the
@@ -77,9 +77,12 @@ def prefill_chunk(n: int) -> int:
 
 
 def slot_bucket(n: int) -> int:
-    """Cache length for n slots: 64, 128, 256, ... Decode attention reads every slot of the bucket (at most
-    half is spare); powers of two keep the number of compiled programs per episode small."""
-    return max(64, _pow2(n))
+    """Cache length for n slots: 64, 128, 256, 384, 512, 768, 1024, 1536, ... (powers of two, and from 384 on
+    three quarters of the next one). Decode attention reads every slot of the bucket, about half of a batch-32
+    step at 512 slots on CPU, so at most a third of it is spare; two buckets per doubling keep the number of
+    compiled programs per episode small."""
+    b = max(64, _pow2(n))
+    return 3 * b // 4 if b >= 512 and n <= 3 * b // 4 else b
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -779,9 +782,10 @@ class Engine:
             return conv
         _, first_row, group_of_row = np.unique(groups, return_index=True, return_inverse=True)
         bb = conv.kv_valid.shape[0]
-        # The groups' batch never goes below the smallest work batch (a smaller one would compile programs of its
-        # own, per device, for little gain); where that is the whole batch, there is nothing to save.
-        gb = self._batch_bucket(len(first_row), bb)
+        # One row per group (in its batch bucket): the prefix is most of a prompt and prefill costs per row, so
+        # padding 4 members to the smallest work batch (8) would double it. Where that is the whole batch, there
+        # is nothing to save.
+        gb = self._batch_bucket(len(first_row))
         if gb >= bb:
             return conv
         rest = max(len(t) for t in todo) - shared
