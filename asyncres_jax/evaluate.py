@@ -269,6 +269,17 @@ def evaluate_params(cfg, model, params, split: str, n_tasks: int, backend, *, ou
     return r
 
 
+def rollout_layout(params, model):
+    """The learner's params as the model's engine runs them on the whole mesh: masters split over "data"
+    (model.sharding.learner_shardings) are brought back to the rollout layout; others are already in it."""
+    from asyncres_jax.model.sharding import param_shardings
+    from asyncres_jax.rollout.replicas import for_inference
+
+    if model.mesh is None:
+        return params
+    return for_inference(params, param_shardings(params, model.config, model.mesh))
+
+
 def attach(trainer) -> None:
     """Evaluations of a training run, drained: before the first update the validation and test splits (the
     base model), validation after every eval.every updates, and both splits after the last update; the final
@@ -289,8 +300,8 @@ def attach(trainer) -> None:
             log(f"the base model's {split} evaluation: reused from {r['reused_from']}")
         else:
             log(f"evaluating the {split} split ({n} tasks x {len(seeds)} seeds) at update {version}")
-            r = evaluate_params(cfg, trainer.model, trainer.store.params, split, n, trainer.backend,
-                                out_dir=run / EVAL_DIR, tag=f"{version:05d}", seeds=seeds)
+            r = evaluate_params(cfg, trainer.model, rollout_layout(trainer.store.params, trainer.model), split, n,
+                                trainer.backend, out_dir=run / EVAL_DIR, tag=f"{version:05d}", seeds=seeds)
         r.update(update=version, elapsed_seconds=trainer.elapsed(), source=str(run))
         base = run / EVAL_DIR / f"{split}_00000.json"
         if version > 0 and base.is_file():

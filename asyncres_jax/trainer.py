@@ -19,6 +19,7 @@ import pathlib
 import time
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,7 +28,7 @@ from asyncres_jax.checkpoint import flatten, unflatten_like
 from asyncres_jax.config import TrainConfig
 from asyncres_jax.errors import UserError
 from asyncres_jax.mesh import make_mesh
-from asyncres_jax.model.sharding import param_shardings
+from asyncres_jax.model.sharding import learner_shardings, param_shardings, shares_host_memory
 from asyncres_jax.rollout import Cohort, Coordinator, PoolConfig, RolloutPool, es_param_store
 from asyncres_jax.rollout.episodes import EpisodeConfig
 from asyncres_jax.rollout.jobs import FAKE, es_job_fn, fake_job_fn
@@ -99,9 +100,15 @@ class ESTrainer(Trainer):
         continuing = distributed.on_main(prepare_run_dir, cfg, resume, overwrite)  # process 0 writes RUN_DIR
         self.es_cfg = cfg.es.core()
 
-        # Learner: float32 masters on the whole mesh; the store applies the ES step and keeps the update log.
+        # Learner: float32 masters on the whole mesh; the store applies the ES step and keeps the update log. On
+        # devices that share host memory the masters are split over "data" and replicas alias one host copy per
+        # version, which is free, so they copy it instead of replaying the update each (learner_shardings).
+        split = self.mesh.shape["data"] > 1 and shares_host_memory(self.mesh)
+        if split:
+            self.model.params = jax.device_put(self.model.params,
+                                               learner_shardings(self.model.params, self.model.config, self.mesh))
         self.store = es_param_store(self.model.params, self.es_cfg, rollout_dtype=cfg.model.rollout_dtype,
-                                    place_state=lambda s: on_mesh(s, self.mesh))
+                                    place_state=lambda s: on_mesh(s, self.mesh), max_replay=0 if split else 4)
         pseeds = (lambda g, v, i: es.member_seed(g, v, i // 2)) if cfg.es.antithetic else es.member_seed
         distributed.check_mesh(self.mesh)
         replicas = replicas_from_mesh(self.mesh, lambda sub: param_shardings(self.model.params, self.model.config, sub),

@@ -69,7 +69,7 @@ def test_a_mesh_larger_than_the_machine_is_one_line_naming_cpu_devices(capsys, t
 @pytest.mark.bwrap
 @pytest.mark.parametrize("model", [
     pytest.param(["model.name=tiny"], id="tiny"),  # the same run with the tiny random model: fits any test machine
-    # ~3 CPU-minutes, 12 GB peak (masters: 8 x 0.5 GB): never beside the other 12 GB test on a 24 GB machine
+    # ~3 CPU-minutes, 9 GB peak (13 GB when every replica held its own masters): never beside the other 12 GB test
     pytest.param([], id="smollm2", marks=[pytest.mark.slow, pytest.mark.xdist_group("big_memory")]),
 ])
 def test_the_cpu_default_runs_to_the_end_on_an_8x1_mesh(tmp_path, capsys, model):

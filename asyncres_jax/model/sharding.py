@@ -65,6 +65,33 @@ def param_shardings(params_like, cfg: ModelConfig, mesh: Mesh):
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def shares_host_memory(mesh: Mesh) -> bool:
+    """Every device of the mesh is a CPU device of this process (simulated devices, `--cpu-devices`): their arrays
+    all live in one host memory, so an array replicated over "data" costs one host copy per replica."""
+    return all(d.platform == "cpu" and d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def learner_shardings(params_like, cfg: ModelConfig, mesh: Mesh):
+    """Where the learner keeps its masters: as the rollout weights (param_shardings), except on a mesh of devices
+    that share host memory, where each leaf is also split over "data" (its first dimension without a mesh axis
+    that the data axis divides). There replicas alias one host copy per version (rollout/replicas.py) and the
+    masters are one copy in all instead of one per replica, and the ES step runs once instead of on every replica.
+    On accelerators the masters stay replicated, so a replica's shards are already on its devices."""
+    shardings = param_shardings(params_like, cfg, mesh)
+    d = mesh.shape["data"]
+    if d == 1 or not shares_host_memory(mesh):
+        return shardings
+
+    def split(leaf, sharding):
+        spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
+        for i, size in enumerate(leaf.shape):
+            if spec[i] is None and size % d == 0:
+                spec[i] = "data"
+                return NamedSharding(mesh, P(*spec))
+        return sharding  # no dimension the data axis divides: stays replicated
+    return jax.tree.map(split, params_like, shardings)
+
+
 def cache_spec(cfg: ModelConfig, mesh: Mesh) -> P:
     """The KV cache's PartitionSpec: rows over "data", kv heads over "model" where it divides them."""
     return logical_to_spec(CACHE_AXES, dict(mesh.shape), (None, cfg.num_kv_heads, None, None))
