@@ -18,7 +18,8 @@ from asyncres_jax import metrics
 from asyncres_jax.config import load_config
 from asyncres_jax.trainer import ESTrainer
 
-pytestmark = [pytest.mark.xdist_group("pinned_update"), pytest.mark.bwrap, pytest.mark.slow]
+# big_memory: a SmolLM2 run, never beside the 9-12 GB tests of that group on a 24 GB machine
+pytestmark = [pytest.mark.xdist_group("big_memory"), pytest.mark.bwrap, pytest.mark.slow]
 
 CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "smollm2_cpu.yaml"
 
