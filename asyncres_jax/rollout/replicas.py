@@ -49,6 +49,13 @@ class HostCopies:
         return host
 
 
+_HOST_COPIES = HostCopies()  # one per process: replicas and evaluation of a version share its host copy
+
+
+def _host_copies(mesh: Mesh) -> HostCopies | None:
+    return _HOST_COPIES if shares_host_memory(mesh) else None
+
+
 def _aligned(a: np.ndarray) -> np.ndarray:
     buf = np.empty(a.nbytes + HOST_ALIGNMENT, np.uint8)
     start = -buf.ctypes.data % HOST_ALIGNMENT
@@ -107,7 +114,7 @@ def replicas_from_mesh(mesh: Mesh, shardings_for: Callable[[Mesh], Any] | None =
     shardings_for(sub_mesh) gives the parameters' shardings on a replica (the model's partition rules); by
     default the weights are replicated over the replica's devices. On devices that share host memory the
     replicas alias one host copy of each version (HostCopies)."""
-    host = HostCopies() if shares_host_memory(mesh) else None
+    host = _host_copies(mesh)
     out = []
     for i, sub in enumerate(replica_meshes(mesh)):
         if not owned(sub):
@@ -122,5 +129,5 @@ def for_inference(params, shardings):
     from masters that may be split over "data" (model.sharding.learner_shardings); where the devices share host
     memory, every device's copy aliases one host buffer."""
     mesh = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))[0].mesh
-    host = HostCopies() if shares_host_memory(mesh) else None
+    host = _host_copies(mesh)
     return jax.tree.map(lambda x, s: to_submesh(x, s, host), params, shardings)
