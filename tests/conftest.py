@@ -27,9 +27,8 @@ _LIBC = ctypes.CDLL("libc.so.6")
 @pytest.fixture(autouse=True, scope="module")
 def _give_freed_memory_back():
     """Two xdist workers share 24 GB, and glibc keeps the heap pages a module freed: an idle worker that had run
-    SmolLM2 modules held 8-9 GB while the other ran a big_memory test, and the machine's memory ran out (a worker
-    was killed). After each module the freed pages go back to the system."""
+    SmolLM2 modules held 8-9 GB while the other ran a big_memory test, and that worker was lost (most likely to the
+    machine's memory). After each module the freed pages go back to the system."""
     yield
     gc.collect()
     _LIBC.malloc_trim(0)
-
