@@ -146,14 +146,20 @@ def paired_difference(base: Sequence[EpisodeOutcome], new: Sequence[EpisodeOutco
     for k in common:
         per_task.setdefault(k[0], []).append(b[k] - a[k])
     d = np.array([np.mean(v) for v in per_task.values()])
+    return {"tasks": int(d.size), "episodes": len(common), "base": float(np.mean([a[k] for k in common])),
+            "new": float(np.mean([b[k] for k in common])), **task_differences(d, confidence, resamples, seed)}
+
+
+def task_differences(d: np.ndarray, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
+                     seed: int = 0) -> dict:
+    """Mean of per-task paired differences `d`, its task-bootstrap CI and a two-sided sign-flip p-value."""
+    d = np.asarray(d, np.float64)
     rng = np.random.default_rng(seed)
     flips = rng.choice([-1.0, 1.0], size=(resamples, d.size))
     null = np.abs((flips * d).mean(axis=1))
     p = float((1 + np.sum(null >= abs(d.mean()) - 1e-12)) / (resamples + 1))
-    return {"tasks": int(d.size), "episodes": len(common), "base": float(np.mean([a[k] for k in common])),
-            "new": float(np.mean([b[k] for k in common])), "difference": float(d.mean()),
-            "ci": list(task_bootstrap_ci(d, confidence, resamples, seed)), "p_value": p,
-            "test": "two-sided sign-flip permutation over per-task differences"}
+    return {"difference": float(d.mean()), "ci": list(task_bootstrap_ci(d, confidence, resamples, seed)),
+            "p_value": p, "test": "two-sided sign-flip permutation over per-task differences"}
 
 
 # ------------------------------------------------------------------------------------------- running episodes
@@ -373,7 +379,11 @@ def write_eval(run_dir: pathlib.Path, r: dict) -> None:
     run_dir = pathlib.Path(run_dir)
     (run_dir / EVAL_DIR).mkdir(parents=True, exist_ok=True)
     (run_dir / EVAL_DIR / f"{r['split']}_{r['update']:05d}.json").write_text(json.dumps(r, indent=1))
+    # every episode's reward stays in the small summary (about 30 bytes each), so that rows of a study can be
+    # compared task by task from the committed eval.jsonl files alone
     summary = {k: v for k, v in r.items() if k != "episodes_detail"}
+    if "episodes_detail" in r:
+        summary["outcomes"] = [[e["task_id"], e["seed"], e["reward"]] for e in r["episodes_detail"]]
     with open(run_dir / EVAL_FILE, "a") as f:
         f.write(json.dumps(summary) + "\n")
 

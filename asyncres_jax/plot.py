@@ -103,6 +103,44 @@ def pooled_wilson(evals: list[dict]) -> tuple[float, float]:
     return wilson(sum(e["success"] * k for e, k in zip(evals, n)), sum(n))
 
 
+def per_task_success(evals: list[dict]) -> dict[str, float] | None:
+    """Each task's success averaged over several evaluations of one split (one method's training seeds) and their
+    sampling seeds, from the summaries' `outcomes`; None when a summary predates them."""
+    per: dict[str, list[float]] = {}
+    for e in evals:
+        if "outcomes" not in e:
+            return None
+        for task, _, reward in e["outcomes"]:
+            per.setdefault(task, []).append(reward)
+    return {t: float(np.mean(v)) for t, v in per.items()} if per else None
+
+
+def test_ci(evals: list[dict]) -> tuple[float, float]:
+    """95% CI of a method's test success: the percentile bootstrap over tasks (one run's own, or over the per-task
+    means of its seeds); the pooled Wilson CI over episodes for seeds whose summaries predate per-episode
+    outcomes."""
+    from asyncres_jax.evaluate import task_bootstrap_ci
+
+    if len(evals) == 1:
+        return tuple(evals[0].get("ci") or evals[0]["wilson"])
+    per = per_task_success(evals)
+    return task_bootstrap_ci(np.array(list(per.values()))) if per else pooled_wilson(evals)
+
+
+def versus(evals: list[dict], reference: list[dict]) -> dict | None:
+    """Paired difference of two methods' test success on the tasks both played: per task, the mean over the
+    method's seeds minus the reference's; task-bootstrap CI and sign-flip p (evaluate.task_differences)."""
+    from asyncres_jax.evaluate import task_differences
+
+    a, b = per_task_success(evals), per_task_success(reference)
+    common = sorted(set(a) & set(b)) if a and b else []
+    return task_differences(np.array([a[t] - b[t] for t in common])) | {"tasks": len(common)} if common else None
+
+
+def _p(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}"
+
+
 def _x(run: dict, e: dict, x: str) -> float:
     """An evaluation's place on the x axis: its update, or the run's training minutes by then."""
     return e["update"] if x == "update" else training_seconds(run, e.get("elapsed_seconds", 0.0)) / 60
@@ -125,7 +163,7 @@ def _test_points(runs: list[dict], x: str) -> list[tuple[float, float, float, fl
     points = []
     for u in sorted(set.intersection(*(set(b) for b in by_run))):
         es = [b[u] for b in by_run]
-        lo, hi = (es[0].get("wilson") or es[0]["ci"]) if len(es) == 1 else pooled_wilson(es)
+        lo, hi = test_ci(es)
         at = float(np.mean([_x(r, e, x) for r, e in zip(runs, es)]))
         points.append((at, float(np.mean([e["success"] for e in es])), lo, hi))
     return points
@@ -261,8 +299,14 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _success(e: dict) -> str:
-    return f"{_pct(e['success'])} [{_pct(e['wilson'][0])}, {_pct(e['wilson'][1])}]"
+def _success(evals: list[dict]) -> str:
+    lo, hi = test_ci(evals)
+    return f"{_pct(float(np.mean([e['success'] for e in evals])))} [{_pct(lo)}, {_pct(hi)}]"
+
+
+def _difference(c: dict) -> str:
+    return (f"{100 * c['difference']:+.1f} pts [{100 * c['ci'][0]:+.1f}, {100 * c['ci'][1]:+.1f}] "
+            f"(p = {_p(c['p_value'])})")
 
 
 def _seeds(e: dict) -> str:
@@ -280,8 +324,9 @@ def _run_stats(run: dict) -> dict:
             "tokens": sum(r.get("tokens", 0) for r in u), "busy": busy}
 
 
-def _row(name: str, runs: list[dict]) -> str:
-    """One table row: a run, or the mean over the runs of one method (its training seeds)."""
+def _row(name: str, runs: list[dict], reference: list[dict] | None) -> str:
+    """One table row: a run, or the mean over the runs of one method (its training seeds); `reference` is the
+    first method's runs, which the last column compares with (None in that method's own row)."""
     st = [_run_stats(run) for run in runs]
     tests = [x["test"] for x in st]
     vals = [x["val"] for x in st if x["val"]]
@@ -290,39 +335,40 @@ def _row(name: str, runs: list[dict]) -> str:
     busy = sum(x["busy"] for x in st)
     first_last = (f"{_pct(np.mean([v[0] for v in vals]))} -> {_pct(np.mean([v[1] for v in vals]))}"
                   if vals else "n/a")
-    if len(runs) == 1:
-        t, c = tests[0], compares[0] if compares else None
-        test_s, seeds = (_success(t), _seeds(t)) if t else ("n/a", "-")
-        vs = f"{100 * c['difference']:+.1f} pts (p = {c['p_value']:.2f})" if c else "n/a"
-    elif all(tests):
-        mean = float(np.mean([t["success"] for t in tests]))
-        lo, hi = pooled_wilson(tests)
-        test_s = f"{_pct(mean)} [{_pct(lo)}, {_pct(hi)}]"
-        seeds = " / ".join(f"{_pct(t['success'])} (seed {run.get('seed')})" for t, run in zip(tests, runs))
-        vs = "n/a"
+    test_s, seeds, vs, vs_ref = "n/a", "-", "n/a", "-" if reference is None else "n/a"
+    if all(tests):
+        test_s = _success(tests)
+        seeds = (_seeds(tests[0]) if len(runs) == 1 else
+                 " / ".join(f"{_pct(t['success'])} (seed {run.get('seed')})" for t, run in zip(tests, runs)))
         if compares and all(compares):
-            ps = ", ".join(f"{c['p_value']:.2f}" for c in compares)
+            ps = ", ".join(_p(c["p_value"]) for c in compares)
             vs = f"{100 * np.mean([c['difference'] for c in compares]):+.1f} pts (p = {ps})"
-    else:
-        test_s, seeds, vs = "n/a", "-", "n/a"
+        ref_tests = [x["test"] for x in map(_run_stats, reference or [])]
+        if reference is not None and all(ref_tests) and (c := versus(tests, ref_tests)):
+            vs_ref = _difference(c)
+    tokens_s = sum(x["tokens"] for x in st) / busy if busy else 0.0
     return (f"| {name} | {st[0]['updates']} | {rollouts.pop() if len(rollouts) == 1 else np.mean(list(rollouts))} | "
-            f"{test_s} | {seeds} | {vs} | {first_last} | {np.mean([x['seconds'] for x in st]) / 60:.1f} min | "
-            f"{sum(x['tokens'] for x in st) / busy if busy else 0.0:.0f} |")
+            f"{test_s} | {seeds} | {vs} | {vs_ref} | {first_last} | "
+            f"{np.mean([x['seconds'] for x in st]) / 60:.1f} min | {tokens_s:.0f} |")
 
 
 def table(runs: list[dict]) -> str:
-    """One markdown row per method, in the paper's form: held-out test success after training (95% Wilson CI over
-    episodes, the per-seed values), the paired difference from the base model on the same episodes, rollouts and
-    training wall-clock (held-out evaluations excluded). A first row gives the base model (the update-0 test
-    evaluation, shared by the runs). Runs sharing a name are one method's training seeds: its row gives their
-    mean (the CI over all their episodes, the per-run paired p-values) and each seed's success."""
-    lines = ["| run | updates | rollouts | test success [95% CI] | per seed | vs base (paired) | "
-             "validation: first -> last | training time | tokens/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """One markdown row per method, in the paper's form: held-out test success after training (95% CI by the
+    bootstrap over tasks, the per-seed values), the paired difference from the base model on the same episodes,
+    the paired difference from the first method (per task: the mean over each method's seeds; task-bootstrap CI,
+    sign-flip p), rollouts and training wall-clock (held-out evaluations excluded). A first row gives the base model
+    (the update-0 test evaluation, shared by the runs). Runs sharing a name are one method's training seeds: its row
+    gives their mean (the CI over the per-task means of its seeds, the per-run paired p-values against the base
+    model) and each seed's success."""
+    grouped = groups(runs)
+    first = grouped[0][0] if grouped else "-"
+    lines = [f"| run | updates | rollouts | test success [95% CI] | per seed | vs base (paired) | "
+             f"vs {first} (paired) | validation: first -> last | training time | tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = next((e for run in runs for e in run["evals"] if e["split"] == "test" and e["update"] == 0), None)
     if base is not None:
-        lines.append(f"| base model | 0 | 0 | {_success(base)} | {_seeds(base)} | - | - | - | - |")
-    lines += [_row(name, group) for name, group in groups(runs)]
+        lines.append(f"| base model | 0 | 0 | {_success([base])} | {_seeds(base)} | - | - | - | - | - |")
+    lines += [_row(name, group, None if k == 0 else grouped[0][1]) for k, (name, group) in enumerate(grouped)]
     return "\n".join(lines)
 
 

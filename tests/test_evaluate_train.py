@@ -42,6 +42,8 @@ def test_training_evaluates_base_periodic_validation_and_final_test(tmp_path):
     final = evals[1]
     assert "compare" not in evals[0] and final["compare"]["tasks"] == 2 and final["compare"]["episodes"] == 4
     _, episodes = ev.load_report(run / "evals" / "test_00002.json")
+    # the small summary keeps every episode's reward, so that committed eval.jsonl files compare runs task by task
+    assert sorted(map(tuple, final["outcomes"])) == sorted((e.task_id, e.seed, e.reward) for e in episodes)
     assert sorted({(e.seed, e.task_id) for e in episodes}) == sorted({(s, e.task_id) for e in episodes
                                                                        for s in (42, 43)})
     assert (run / "evals" / "test_00000_transcripts.txt").read_text().startswith("--- system")

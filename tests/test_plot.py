@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from asyncres_jax import plot
@@ -54,10 +55,12 @@ def test_plot_writes_every_chart_for_several_runs(runs, tmp_path, capsys):
     table = results.read_text()
     assert table.startswith("# Results\n\ntext before\n") and table.endswith("text after\n")
     assert "old table" not in table
-    assert "| base model | 0 | 0 | 10.0% [-2.0%, 22.0%] | 8.0% / 12.0% | - |" in table
-    assert ("| Sync | 4 | 32 | 28.0% [16.0%, 40.0%] | 26.0% / 30.0% | +18.0 pts (p = 0.04) | 20.0% -> 30.0% | "
+    # one run's CI is its report's bootstrap over tasks ("ci"), not the Wilson interval beside it
+    assert "| base model | 0 | 0 | 10.0% [0.0%, 20.0%] | 8.0% / 12.0% | - |" in table
+    assert ("| Sync | 4 | 32 | 28.0% [18.0%, 38.0%] | 26.0% / 30.0% | +18.0 pts (p = 0.04) | - | 20.0% -> 30.0% | "
             "2.0 min | 100 |") in table
-    assert "| Async-1 | 4 | 32 | 33.0% [21.0%, 45.0%] |" in table
+    assert "| Async-1 | 4 | 32 | 33.0% [23.0%, 43.0%] |" in table
+    assert "| +23.0 pts (p = 0.04) | n/a |" in table  # summaries without per-episode outcomes: no pairing
     assert str(out / "fitness.png") in capsys.readouterr().out
 
 
@@ -129,7 +132,7 @@ def test_runs_sharing_a_label_are_one_method_over_training_seeds(runs, tmp_path)
     # mean of 28% and 33%; the Wilson CI pools the 100 episodes (30.5 successes); each seed's value beside it
     lo, hi = wilson(0.28 * 50 + 0.33 * 50, 100)
     assert f"| ES | 4 | 32 | 30.5% [{100 * lo:.1f}%, {100 * hi:.1f}%] | 28.0% (seed 0) / 33.0% (seed 1) |" in rows[0]
-    assert "+20.5 pts (p = 0.04, 0.04) | 20.0% -> 32.5% | 2.0 min | 100 |" in rows[0]
+    assert "+20.5 pts (p = 0.04, 0.04) | - | 20.0% -> 32.5% | 2.0 min | 100 |" in rows[0]  # no method before it
     # the charts draw the method once: the mean over its seeds, the test bar the table's pooled CI
     assert plot._label("ES", loaded) == "ES (mean of 2 seeds)"
     assert plot._test_points(loaded, "update") == [(0, pytest.approx(0.1), *wilson(0.1 * 100, 100)),
@@ -139,3 +142,41 @@ def test_runs_sharing_a_label_are_one_method_over_training_seeds(runs, tmp_path)
     x, mean, low, high = plot.mean_over_seeds([([1, 2, 3], [0.1, 0.2, 0.3]), ([2, 3], [0.4, 0.5])])
     assert x.tolist() == [2, 3] and mean == pytest.approx([0.3, 0.4]) and low.tolist() == [0.2, 0.3]
     assert len(plot.plot(loaded, tmp_path / "plots")) == len(plot.FILES)
+
+
+def test_methods_are_compared_task_by_task_with_the_first_one(runs, tmp_path):
+    """With per-episode outcomes in eval.jsonl, a method's CI is the bootstrap over the per-task means of its seeds,
+    and each later method is paired with the first one task by task (the study's question: async vs sync)."""
+    from asyncres_jax.evaluate import task_bootstrap_ci
+
+    tasks = [f"t{i:02d}" for i in range(20)]
+
+    def seed_run(name, seed, solved):
+        run = tmp_path / f"{name}_{seed}"
+        run.mkdir()
+        (run / "config.yaml").write_text(f"seed: {seed}\n")
+        (run / "metrics.jsonl").write_text(json.dumps({"update": 4, "elapsed_seconds": 60.0, "episodes": 32}) + "\n")
+        out = [[t, 42, float(t in solved)] for t in tasks]
+        (run / "eval.jsonl").write_text(json.dumps({"split": "test", "update": 4, "success": len(solved) / 20,
+                                                    "outcomes": out, "per_seed": {"42": len(solved) / 20}}) + "\n")
+        return plot.load_run(run)
+
+    # sync solves t00-t04 in both seeds; async t00-t14 in one seed and t00-t09 in the other
+    sync = [seed_run("sync", s, tasks[:5]) for s in (0, 1)]
+    async1 = [seed_run("async", 0, tasks[:15]), seed_run("async", 1, tasks[:10])]
+    for run in sync:
+        run["name"] = "ES sync"
+    for run in async1:
+        run["name"] = "ES async"
+    md = plot.table(sync + async1).splitlines()
+    assert "| vs ES sync (paired) |" in md[0]
+    sync_row, async_row = md[2], md[3]
+    lo, hi = task_bootstrap_ci(np.array([1.0] * 10 + [0.5] * 5 + [0.0] * 5))  # async's per-task means
+    assert f"| 62.5% [{100 * lo:.1f}%, {100 * hi:.1f}%] | 75.0% (seed 0) / 50.0% (seed 1) |" in async_row
+    assert sync_row.split(" | ")[6] == "-"  # the reference itself
+    # per task: +1 on t05-t09, +0.5 on t10-t14, 0 elsewhere: +37.5 points; 10 tasks moved, all the same way, so
+    # only the sign flips that keep all 10 (2 in 2^10) reach it: p ~ 0.002
+    c = plot.versus([r["evals"][0] for r in async1], [r["evals"][0] for r in sync])
+    assert c["tasks"] == 20 and c["difference"] == pytest.approx(0.375) and 0.001 < c["p_value"] < 0.004
+    cell = async_row.split(" | ")[6]
+    assert cell.startswith("+37.5 pts [+") and cell.endswith(f"(p = {c['p_value']:.3f})")
