@@ -28,7 +28,7 @@ from asyncres_jax.checkpoint import flatten, unflatten_like
 from asyncres_jax.config import TrainConfig
 from asyncres_jax.errors import UserError
 from asyncres_jax.mesh import make_mesh
-from asyncres_jax.model.sharding import learner_shardings, param_shardings, shares_host_memory
+from asyncres_jax.model.sharding import learner_shardings, param_shardings, splits_masters
 from asyncres_jax.rollout import Cohort, Coordinator, PoolConfig, RolloutPool, es_param_store
 from asyncres_jax.rollout.episodes import EpisodeConfig
 from asyncres_jax.rollout.jobs import FAKE, es_job_fn, fake_job_fn
@@ -103,7 +103,7 @@ class ESTrainer(Trainer):
         # Learner: float32 masters on the whole mesh; the store applies the ES step and keeps the update log. On
         # devices that share host memory the masters are split over "data" and replicas alias one host copy per
         # version, which is free, so they copy it instead of replaying the update each (learner_shardings).
-        split = self.mesh.shape["data"] > 1 and shares_host_memory(self.mesh)
+        split = splits_masters(self.mesh)
         if split:
             self.model.params = jax.device_put(self.model.params,
                                                learner_shardings(self.model.params, self.model.config, self.mesh))

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 
 from asyncres_jax import es
 from asyncres_jax.mesh import make_mesh
-from asyncres_jax.model.sharding import learner_shardings, param_shardings, shares_host_memory
+from asyncres_jax.model.sharding import learner_shardings, param_shardings, shares_host_memory, splits_masters
 from asyncres_jax.model.tiny import tiny_model
 from asyncres_jax.rollout.replicas import for_inference, replicas_from_mesh
 
@@ -32,7 +32,7 @@ def model():
 @pytest.mark.parametrize("spec", ["8x1", "4x2"])
 def test_masters_are_split_over_data_on_simulated_devices(model, spec):
     mesh = make_mesh(spec)
-    assert shares_host_memory(mesh)
+    assert shares_host_memory(mesh) and splits_masters(mesh)
     masters = jax.device_put(model.params, learner_shardings(model.params, model.config, mesh))
     replicated = jax.device_put(model.params, param_shardings(model.params, model.config, mesh))
     total = sum(x.nbytes for x in jax.tree.leaves(model.params))
@@ -49,6 +49,7 @@ def test_masters_are_split_over_data_on_simulated_devices(model, spec):
 
 def test_a_one_device_mesh_keeps_the_rollout_layout(model):
     mesh = make_mesh("1x1")
+    assert shares_host_memory(mesh) and not splits_masters(mesh)  # one replica: nothing to share
     assert learner_shardings(model.params, model.config, mesh) == param_shardings(model.params, model.config, mesh)
 
 

@@ -71,6 +71,12 @@ def shares_host_memory(mesh: Mesh) -> bool:
     return all(d.platform == "cpu" and d.process_index == jax.process_index() for d in mesh.devices.flat)
 
 
+def splits_masters(mesh: Mesh) -> bool:
+    """Whether the learner splits its masters over "data" (learner_shardings): several replicas on devices that
+    share host memory. Its replicas then copy each version from one host copy instead of replaying the update."""
+    return mesh.shape["data"] > 1 and shares_host_memory(mesh)
+
+
 def learner_shardings(params_like, cfg: ModelConfig, mesh: Mesh):
     """Where the learner keeps its masters: as the rollout weights (param_shardings), except on a mesh of devices
     that share host memory, where each leaf is also split over "data" (its first dimension without a mesh axis
@@ -78,9 +84,9 @@ def learner_shardings(params_like, cfg: ModelConfig, mesh: Mesh):
     masters are one copy in all instead of one per replica, and the ES step runs once instead of on every replica.
     On accelerators the masters stay replicated, so a replica's shards are already on its devices."""
     shardings = param_shardings(params_like, cfg, mesh)
-    d = mesh.shape["data"]
-    if d == 1 or not shares_host_memory(mesh):
+    if not splits_masters(mesh):
         return shardings
+    d = mesh.shape["data"]
 
     def split(leaf, sharding):
         spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
