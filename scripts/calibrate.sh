@@ -49,5 +49,6 @@ for spec in "$@"; do
   mkdir -p "docs/calibration/$name"
   cp "$run/metrics.jsonl" "$run/eval.jsonl" "$run/config.yaml" "docs/calibration/$name/"
 done
-dirs=(docs/calibration/a*/)
-"$PY" -m asyncres_jax.plot "${dirs[@]%/}" --out docs/calibration --table docs/calibration.md
+dirs=(docs/calibration/a*/) labels=()
+for d in "${dirs[@]}"; do n=$(basename "$d"); labels+=("${n%-seed*}"); done  # a setting's training seeds: one row
+"$PY" -m asyncres_jax.plot "${dirs[@]%/}" --labels "${labels[@]}" --out docs/calibration --table docs/calibration.md
