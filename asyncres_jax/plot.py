@@ -157,8 +157,8 @@ def _val_points(runs: list[dict], x: str) -> np.ndarray:
 
 
 def _test_points(runs: list[dict], x: str) -> list[tuple[float, float, float, float]]:
-    """(x, mean success, pooled Wilson CI low, high) at each update where every seed has a test evaluation: the
-    table's numbers, so the chart and docs/results.md agree."""
+    """(x, mean success, CI low, high) at each update where every seed has a test evaluation: the table's numbers
+    (test_ci: the bootstrap over tasks), so the chart and docs/results.md agree."""
     by_run = [{e["update"]: e for e in run["evals"] if e["split"] == "test"} for run in runs]
     points = []
     for u in sorted(set.intersection(*(set(b) for b in by_run))):
@@ -192,7 +192,7 @@ def _success_chart(runs: list[dict], x: str, out: pathlib.Path, plt) -> None:
     ax.set_xlim(min(lo, -0.5), max(hi, 1.5))
     xlabel = "ES update / GRPO step" if x == "update" else "training wall clock (minutes, evaluations excluded)"
     _finish(fig, ax, out, plt, xlabel, "held-out success (%)",
-            "Held-out success (test: 95% Wilson CI over all seeds' episodes)")
+            "Held-out success (test: the table's 95% CI)")
 
 
 def _fitness_chart(runs: list[dict], out: pathlib.Path, plt) -> None:
