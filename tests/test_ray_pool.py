@@ -139,7 +139,7 @@ def test_an_actor_killed_mid_job_loses_nothing_and_params_equal_the_thread_pool(
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # SGD: only seeds and shaped fitness crossed to the actors, never weights
     syncs = pool.sync_counts()
-    assert syncs["replay"] >= 2 * (UPDATES - 1) and syncs["copy"] == 0 and pool.bytes_sent["copy"] == 0
+    assert syncs["replay"] >= UPDATES - 1 and syncs["copy"] == 0 and pool.bytes_sent["copy"] == 0
     assert 0 < pool.bytes_sent["replay"] <= (UPDATES * 2 + 1) * UPDATES * N * (8 + 4)
 
 
@@ -150,7 +150,8 @@ def test_a_stateful_optimiser_sends_weights_through_the_object_store(cluster):
 
     assert_each_job_counted_once(cohorts, coord)
     syncs = pool.sync_counts()
-    assert syncs["replay"] == 0 and syncs["copy"] >= 2 * (UPDATES - 1)
+    # each new version reaches one or both actors (an actor that got none of a version's jobs skips it)
+    assert syncs["replay"] == 0 and syncs["copy"] >= UPDATES - 1
     n_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(store.params))
     assert pool.bytes_sent["copy"] == pool.puts * n_bytes and UPDATES - 1 <= pool.puts < syncs["copy"]  # shared
     for a, b in zip(jax.tree.leaves(store.params), jax.tree.leaves(ref_store.params)):
