@@ -133,6 +133,9 @@ class ESSection:
     adam_eps: float = opt(1e-8, "optimizer=adam: epsilon")
     tasks_per_member: int = opt(256, "tasks each member is evaluated on per update")
     batched_population: bool = opt(False, "lowrank only: run a whole cohort as one batch over one copy of W")
+    members_per_batch: int = opt(0, "batched_population: members per batch (0: pool.workers_per_replica, all of a "
+                                    "replica's workers in one batch; fewer runs several batches at once, so async "
+                                    "batches overlap commits and some results land stale)")
 
     def core(self):
         """The es.ESConfig of this section (every field that ESConfig has)."""
@@ -143,12 +146,15 @@ class ESSection:
     def __post_init__(self):
         for name in ("updates", "tasks_per_member"):
             _positive("es", name, getattr(self, name))
+        _positive("es", "members_per_batch", self.members_per_batch, allow_zero=True)
         try:
             self.core()
         except UserError as e:  # the core names its fields ESConfig.NAME; here they are YAML keys
             raise UserError(str(e).replace("ESConfig.", "es.")) from None
         if self.batched_population and self.noise != "lowrank":
             raise UserError("es.batched_population=true needs es.noise=lowrank")
+        if self.members_per_batch and not self.batched_population:
+            raise UserError(f"es.members_per_batch={self.members_per_batch} needs es.batched_population=true")
 
 
 @dataclass

@@ -44,7 +44,7 @@ SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps", "pool.backend", "
                 "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor", "eval.base_from")
 ADDED_KEYS = ("es.divide_by_sigma", "es.weight_decay", "es.adam_b1", "es.adam_b2", "es.adam_eps", "episode.reward_key",
               "episode.start_retries", "episode.system_prompt", "pool.pace_admission", "es.shaping_groups",
-              "pool.held_back_tasks")
+              "pool.held_back_tasks", "es.members_per_batch")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers",
             "safetensors", "omegaconf", "asyncres-jax")
 

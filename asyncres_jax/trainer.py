@@ -66,10 +66,21 @@ def check_supported(cfg: TrainConfig) -> None:
         raise UserError("es.antithetic=true needs pool.mode=sync: a pair's two results must land in one cohort")
 
 
+def members_per_batch(cfg: TrainConfig, workers_per_replica: int) -> int:
+    """How many jobs a replica's workers play as one batch (es.batched_population): es.members_per_batch, or all
+    `workers_per_replica` of them."""
+    if cfg.es.members_per_batch > workers_per_replica:
+        raise UserError(f"es.members_per_batch={cfg.es.members_per_batch} exceeds the {workers_per_replica} workers "
+                        f"a replica has (pool.workers_per_replica): a batch could never fill; lower it or raise "
+                        f"pool.workers_per_replica")
+    return cfg.es.members_per_batch or workers_per_replica
+
+
 def job_fn_for(cfg: TrainConfig, model, dataset: pathlib.Path | None, workers_per_replica: int = 1):
     """(the config's ES job function on `model`, its sandbox backend or None): the fake environment, or the
-    train split's episodes in a new backend; a batched population plays up to `workers_per_replica` jobs at once."""
+    train split's episodes in a new backend; a batched population plays up to `members_per_batch` jobs at once."""
     es_cfg = cfg.es.core()
+    max_batch = members_per_batch(cfg, workers_per_replica)
     if dataset is None:
         return fake_job_fn(model.config, es_cfg), None
     tasks = train_tasks(cfg, dataset)
@@ -79,7 +90,7 @@ def job_fn_for(cfg: TrainConfig, model, dataset: pathlib.Path | None, workers_pe
         return es_job_fn(model, tasks, backend, episode_cfg, es_cfg, global_seed=cfg.seed,
                          tasks_per_member=cfg.es.tasks_per_member, fitness=cfg.episode.fitness,
                          batched_population=cfg.es.batched_population,
-                         workers_per_replica=workers_per_replica), backend
+                         max_batch=max_batch), backend
     except BaseException:
         backend.close()
         raise

@@ -172,15 +172,20 @@ def test_the_new_options_leave_existing_fingerprints_alone():
     assert fingerprint(landing) != fingerprint(load_config(None, ["pool.mode=controlled"]))
 
 
-def test_the_crn_study_rows_are_the_study_rows_plus_the_options():
-    study = pathlib.Path(__file__).resolve().parent.parent / "configs"
-    for row, tasks in (("es_async1", "dispatch"), ("es_delay4", "landing"), ("es_delay8", "landing")):
-        crn, ref = load_config(study / "study_crn" / f"{row}.yaml"), load_config(study / "study" / f"{row}.yaml")
-        assert (crn.es.shaping_groups, crn.pool.held_back_tasks) == ("batch", tasks)
-        assert crn.run_dir == f"runs/study_crn/{row}" != ref.run_dir
-        assert dataclasses.replace(crn, run_dir=ref.run_dir, es=ref.es, pool=ref.pool) == ref
-        assert dataclasses.replace(crn.es, shaping_groups="none") == ref.es
-        assert dataclasses.replace(crn.pool, held_back_tasks="dispatch") == ref.pool
+def test_the_study_rows_keep_common_random_numbers():
+    """Sync: one task batch per cohort (the paper's rule is the CRN one). Async: stale results are shaped with
+    their own task batch. Delays: the held-back result plays the tasks of the cohort it lands in."""
+    study = pathlib.Path(__file__).resolve().parent.parent / "configs" / "study"
+    rows = {row: load_config(study / f"{row}.yaml") for row in ("es_sync", "es_async1", "es_delay4", "es_delay8")}
+    assert rows["es_sync"].pool.mode == "sync" and rows["es_sync"].es.shaping_groups == "none"
+    assert (rows["es_async1"].es.shaping_groups, rows["es_async1"].pool.held_back_tasks) == ("batch", "dispatch")
+    for row in ("es_delay4", "es_delay8"):
+        assert (rows[row].es.shaping_groups, rows[row].pool.held_back_tasks) == ("batch", "landing")
+    # every row differs from sync only in its schedule, shaping groups and (async) batch size
+    sync = rows["es_sync"]
+    for row, cfg in rows.items():
+        assert dataclasses.replace(cfg, run_dir=sync.run_dir, pool=sync.pool, es=dataclasses.replace(
+            cfg.es, shaping_groups="none", members_per_batch=0)) == sync, row
 
 
 def test_real_episodes_play_the_task_batch_of_the_jobs_task_version(monkeypatch):

@@ -109,3 +109,15 @@ def test_an_es_learner_in_bfloat16_is_refused_in_one_line():
     assert "\n" not in str(e.value)
     assert load_config(None, ["model.dtype=bfloat16", "algo=grpo"]).model.dtype == "bfloat16"  # GRPO's own rule
     assert load_config(None, ["model.rollout_dtype=bfloat16"]).model.rollout_dtype == "bfloat16"
+
+
+def test_members_per_batch_is_an_option_of_the_batched_population_and_fits_a_replicas_workers():
+    from asyncres_jax.trainer import members_per_batch
+
+    batched = ["es.noise=lowrank", "es.batched_population=true", "pool.workers_per_replica=4"]
+    assert members_per_batch(load_config(None, batched), 4) == 4  # 0: all of a replica's workers in one batch
+    assert members_per_batch(load_config(None, [*batched, "es.members_per_batch=2"]), 4) == 2
+    with pytest.raises(UserError, match="es.members_per_batch=5 exceeds the 4 workers"):
+        members_per_batch(load_config(None, [*batched, "es.members_per_batch=5"]), 4)
+    with pytest.raises(UserError, match="es.members_per_batch=2 needs es.batched_population=true"):
+        load_config(None, ["es.members_per_batch=2"])

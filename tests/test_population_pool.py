@@ -130,3 +130,30 @@ def test_async_pool_on_one_replica_keeps_every_batch_whole():
         metrics = pool.run_until(5, timeout=30)
     assert len(metrics) >= 5
     assert batcher.batch_sizes[:10] == [4] * 10
+
+
+def test_async_pool_with_smaller_batches_than_workers_lands_some_results_one_update_stale():
+    """es.members_per_batch < pool.workers_per_replica: a replica's 4 workers play two batches of 2 at once, so a
+    batch that ends before the cohort is complete takes new jobs of the old version, which land in the next
+    cohort one update old (as the paper's engines do); none staler than K is accepted and every batch stays on
+    one version's weights."""
+    batches, lock, history, cohorts = [], threading.Lock(), {}, []
+    record = recording_batch_fn(batches, lock)
+
+    def batch_fn(jobs, params):
+        time.sleep(0.05 + 0.1 * (jobs[0].member_index % 3))  # batches of unequal length, as real episodes are
+        return record(jobs, params)
+
+    batcher = JobBatcher(batch_fn, max_batch=2, linger_s=0.02)
+    cfg = PoolConfig(population=8, num_workers=4, mode="async", max_staleness=1)
+    pool, store = make_pool(cfg, batcher, [Replica(0)], 4, history, cohorts)
+    with pool:
+        metrics = pool.run_until(6, timeout=30)
+    assert max(batcher.batch_sizes) == 2
+    stale = sum(m.staleness_hist.get(1, 0) for m in metrics)
+    assert stale > 0 and all(set(m.staleness_hist) <= {0, 1} for m in metrics)
+    for versions, _, params in batches:
+        assert len(set(versions)) == 1
+        np.testing.assert_array_equal(params["w"], history[versions[0]]["w"])
+    for cohort in cohorts:  # each accepted result is what its member scores alone, whatever batch it was in
+        assert [r.fitness for r in cohort.results] == [fitness_of(r.job) for r in cohort.results]

@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
 
     from asyncres_jax import metrics
     from asyncres_jax.config import load_config
-    from asyncres_jax.trainer import ESTrainer
+    from asyncres_jax.trainer import ESTrainer, members_per_batch
 
     args = _parse(argv)
     total = args.warmup + args.updates
@@ -105,7 +105,8 @@ def main(argv: list[str]) -> int:
                 raise RuntimeError(f"the run logged {len(records)} measured updates, expected {args.updates}")
             mean = {k: float(np.mean([r[k] for r in records])) for k in ("episodes", "tokens", "prefill_tokens")}
             episodes = int(round(mean["episodes"]))
-            batch_rows = cfg.es.tasks_per_member * (cfg.pool.workers_per_replica if cfg.es.batched_population else 1)
+            batch_rows = cfg.es.tasks_per_member * (members_per_batch(cfg, cfg.pool.workers_per_replica)
+                                                    if cfg.es.batched_population else 1)
             floor, floor_generated = floor_seconds(
                 trainer.model, episodes, int(round(mean["prefill_tokens"] / episodes)),
                 int(round(mean["tokens"] / episodes)), min(batch_rows, episodes), args.floor_repeats)

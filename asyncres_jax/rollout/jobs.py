@@ -93,12 +93,12 @@ def fake_job_fn(model_cfg: ModelConfig, es_cfg: es.ESConfig) -> Callable[[Job, A
 
 def es_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESConfig, *, global_seed: int,
               tasks_per_member: int, fitness: str = "binary", batched_population: bool = False,
-              workers_per_replica: int = 1) -> Callable[[Job, Any], JobResult]:
-    """The ES pool's job over real episodes: one member per call, or (batched_population) the members a
-    replica's workers hold at once, batched into one cohort."""
+              max_batch: int = 1) -> Callable[[Job, Any], JobResult]:
+    """The ES pool's job over real episodes: one member per call, or (batched_population) up to `max_batch` of
+    the members a replica's workers hold at once, batched into one cohort."""
     kw = dict(global_seed=global_seed, tasks_per_member=tasks_per_member, fitness=fitness)
     if batched_population:
-        return cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=workers_per_replica, **kw)
+        return cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=max_batch, **kw)
     return episode_job_fn(model, tasks, backend, episode_cfg, es_cfg, **kw)
 
 
