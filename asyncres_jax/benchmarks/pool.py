@@ -21,7 +21,7 @@ a schedule that keeps fast results preferentially gains a component along h (amo
 ones leaning on h are those with high fitness); sync with the same seeds is the reference.
 
     python -m asyncres_jax.bench pool --json
-    python -m asyncres_jax.bench pool --real docs/results --json   # duration vs fitness in committed runs
+    python -m asyncres_jax.bench pool --real docs/pilot --json     # duration vs fitness in committed runs
 """
 
 from __future__ import annotations
