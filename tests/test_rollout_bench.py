@@ -7,7 +7,7 @@ import pytest
 
 from asyncres_jax.benchmarks import pool as bench
 
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
+PILOT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "pilot"  # the pilot study: every ES row, three seeds
 
 
 def test_bench_pool_json_rows_have_the_promised_fields(capsys):
@@ -47,7 +47,7 @@ def test_bench_pool_rejects_unknown_schedule(capsys):
 
 
 def test_bench_pool_measures_duration_against_fitness_in_committed_runs(capsys, tmp_path):
-    assert bench.main(["--real", str(RESULTS), "--json"]) == 0
+    assert bench.main(["--real", str(PILOT), "--json"]) == 0
     rows = {r["runs"]: r for r in json.loads(capsys.readouterr().out)}
     assert {"es_sync", "es_async1", "all"} <= set(rows)
     assert rows["all"]["updates"] == sum(r["updates"] for k, r in rows.items() if k != "all")
