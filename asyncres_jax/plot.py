@@ -56,11 +56,16 @@ def _training_seed(run: pathlib.Path) -> int | None:
 
 
 def groups(runs: list[dict]) -> list[tuple[str, list[dict]]]:
-    """Runs by name, in order of first appearance: runs sharing a label are seeds of one method."""
+    """Runs by name, in order of first appearance: runs sharing a label are seeds of one method, in training-seed
+    order (so a table does not depend on the order a shell glob lists their folders in)."""
     by_name: dict[str, list[dict]] = {}
     for run in runs:
         by_name.setdefault(run["name"], []).append(run)
-    return list(by_name.items())
+    return [(name, sorted(group, key=_seed_order)) for name, group in by_name.items()]
+
+
+def _seed_order(run: dict) -> tuple[bool, int]:
+    return run.get("seed") is None, run.get("seed") or 0
 
 
 def _label(name: str, runs: list[dict]) -> str:
