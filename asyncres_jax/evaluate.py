@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from asyncres_jax import hostmem
 from asyncres_jax.errors import UserError
 from asyncres_jax.run import CONFIG_FILE, filter_tasks, log
 
@@ -270,6 +271,7 @@ def evaluate_params(cfg, model, params, split: str, n_tasks: int, backend, *, ou
     policy = ModelPolicy.from_config(engine, params, episode_cfg)
     episodes = run_evaluation(policy, tasks, backend, episode_cfg, seeds, transcripts=sample_path)
     seconds = time.monotonic() - t
+    hostmem.release_free_memory()  # the evaluation's batches freed their buffers (see hostmem)
     r = report(episodes, split=split, seconds=seconds, tokens_per_second=sum(e.tokens for e in episodes) / seconds,
                temperature=episode_cfg.temperature)
     return r

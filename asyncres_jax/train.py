@@ -33,6 +33,8 @@ import os
 import pathlib
 import sys
 
+from asyncres_jax import hostmem
+
 USAGE = __doc__.split("\n\n")[1]
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "smollm2_cpu.yaml"
 DEFAULT_OVERRIDES = ["sandbox.backend=auto", "run_dir=runs/default"]
@@ -93,23 +95,6 @@ def _setup_devices(cpu_devices: int | None) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def limit_malloc_arenas(arenas: int = 2) -> bool:
-    """Cap glibc's malloc arenas (what MALLOC_ARENA_MAX does, but from inside the process, before its threads).
-
-    Episodes run on fresh worker threads and each batch frees gigabytes of host buffers (KV-cache copies,
-    logits) in whichever thread touched them last; with glibc's default of 8 arenas per core that memory stays
-    reserved in per-thread arenas: a 12-update CPU-default run grew by ~2.4 GB per update to 19 GB, and stayed
-    at 8.5-10 GB with 2 arenas. Returns whether the cap was set (False off glibc, e.g. macOS)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-8, arenas))  # -8: M_ARENA_MAX in malloc.h
-    except (OSError, AttributeError):
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     from asyncres_jax.errors import cli_main
 
@@ -135,7 +120,7 @@ def _main(argv: list[str]) -> int:
         check_devices(cfg.mesh, len(jax.devices()))
         return plan.run(cfg, ns.accelerator)
     if ns.command == "train":
-        limit_malloc_arenas()
+        hostmem.limit_malloc_arenas()
         _setup_devices(ns.cpu_devices)
         distributed.initialize(distributed.resolve(ns.coordinator, ns.num_processes, ns.process_id))
     import jax  # after the device flags

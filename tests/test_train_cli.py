@@ -2,6 +2,7 @@
 an existing run is never overwritten without --overwrite, a folder that is not a run is never deleted, and a run
 directory another training process uses is refused."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -149,9 +150,22 @@ def test_the_calibration_config_is_the_study_sync_row():
 
 @pytest.mark.skipif(not pathlib.Path("/lib/x86_64-linux-gnu/libc.so.6").exists() and
                     not pathlib.Path("/usr/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
-def test_training_caps_glibc_malloc_arenas():
-    # the training program calls this before starting threads (see train.limit_malloc_arenas for the why)
-    assert train.limit_malloc_arenas(8) is True
+def test_training_caps_glibc_malloc_arenas_and_can_hand_free_memory_back():
+    from asyncres_jax import hostmem
+
+    # the training program calls this before starting threads (see asyncres_jax.hostmem for the why)
+    assert hostmem.limit_malloc_arenas(8) is True
+    # memory freed inside the heap (below a live allocation, so free() cannot shrink the heap) stays resident
+    # until release_free_memory hands it back
+    def resident_mb():
+        return int(pathlib.Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    chunks = [bytearray(64 << 10) for _ in range(4096)]  # 256 MB in 64 KB mallocs (below the mmap threshold)
+    pin = bytearray(64 << 10)  # noqa: F841 (kept alive on purpose: it holds the heap's top)
+    del chunks
+    before = resident_mb()
+    assert hostmem.release_free_memory() is True
+    assert before - resident_mb() > 128
 
 
 def test_options_added_to_the_schema_keep_earlier_runs_fingerprints():

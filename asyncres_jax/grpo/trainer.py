@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asyncres_jax import hostmem
 from asyncres_jax.checkpoint import flatten, unflatten_like
 from asyncres_jax.config import TrainConfig
 from asyncres_jax.errors import UserError
@@ -184,6 +185,7 @@ class GRPOTrainer(Trainer):
             hook(self)
         while self.step < cfg.grpo.steps and not self._stop.is_set():
             record = self.train_step()
+            hostmem.release_free_memory()  # the step's rollouts and backward passes freed their buffers
             self.metrics.write(record)
             for hook in self.step_hooks:
                 hook(self, record)

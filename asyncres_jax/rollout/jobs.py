@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from asyncres_jax import es
+from asyncres_jax import es, hostmem
 from asyncres_jax.model import decoder
 from asyncres_jax.model.config import ModelConfig
 from asyncres_jax.rollout.coordinator import Job, JobResult
@@ -98,8 +98,16 @@ def es_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESCo
     the members a replica's workers hold at once, batched into one cohort."""
     kw = dict(global_seed=global_seed, tasks_per_member=tasks_per_member, fitness=fitness)
     if batched_population:
-        return cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=max_batch, **kw)
-    return episode_job_fn(model, tasks, backend, episode_cfg, es_cfg, **kw)
+        job_fn = cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=max_batch, **kw)
+    else:
+        job_fn = episode_job_fn(model, tasks, backend, episode_cfg, es_cfg, **kw)
+
+    def play(job: Job, params) -> JobResult:
+        try:
+            return job_fn(job, params)
+        finally:  # the batch's host buffers are free now; without this a run's resident size ratchets up
+            hostmem.release_free_memory()
+    return play
 
 
 def cohort_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESConfig, *, global_seed: int,
