@@ -209,6 +209,8 @@ class ESTrainer(Trainer):
         self._t0 = time.monotonic()
         if self.store.version >= cfg.es.updates:
             log(f"{self.run_dir} already holds {self.store.version} updates (es.updates={cfg.es.updates})")
+            for hook in self.drained_hooks:  # the final evaluations, if a stop request came before them
+                hook(self)
             return self.store.version
         log(f"training {self.model!r} on mesh {self.mesh.shape['data']}x{self.mesh.shape['model']}: "
             f"{len(self.pool.replicas)} replicas x {self.workers_per_replica} workers, "

@@ -115,6 +115,26 @@ def test_grpo_checkpoints_and_resumes(tmp_path, task_dir):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["1", "2"]
 
 
+def test_a_grpo_run_stopped_before_its_final_evaluation_does_it_when_run_again(tmp_path, task_dir):
+    cfg = tiny_config(tmp_path / "run", task_dir, "grpo.steps=1", "eval.temperature=0")
+    trainer = GRPOTrainer(cfg, backend=FakeBackend())
+    attach(trainer)
+    trainer.step_hooks.append(lambda t, record: t.request_stop())  # a signal during the last step
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert {(e["split"], e["update"]) for e in read_evals(tmp_path / "run")} == {("val", 0), ("test", 0)}
+    trainer = GRPOTrainer(cfg, resume=True, backend=FakeBackend())
+    attach(trainer)
+    try:
+        assert trainer.run() == 1
+    finally:
+        trainer.close()
+    assert {(e["split"], e["update"]) for e in read_evals(tmp_path / "run")} == {
+        ("val", 0), ("test", 0), ("val", 1), ("test", 1)}
+
+
 def test_grpo_rejects_greedy_sampling(tmp_path, capsys):
     assert main(["--config", "configs/smollm2_cpu_grpo.yaml", f"run_dir={tmp_path / 'r'}",
                  "episode.temperature=0"]) == 2

@@ -63,3 +63,36 @@ def test_every_update_says_where_its_wall_clock_went(tmp_path):
         # one cell per member, and the prefix in fewer cells than the rows hold (it is shared, not repeated).
         assert r["prefill_tokens"] > 0 and r["prefill_tokens"] / 2 <= r["prefill_slots"] < r["prefill_tokens"]
     assert records[0]["phases"]["es_step"] == 0 < records[1]["phases"]["es_step"]  # the first update's step
+
+
+def test_a_run_stopped_before_its_final_evaluation_does_it_when_run_again(tmp_path, monkeypatch):
+    """A stop request during the last update skips the evaluations (the session ends quickly) and checkpoints;
+    running the finished run again does the final validation and test instead of only saying it is done."""
+    from asyncres_jax.evaluate import attach, read_evals
+
+    bwrap_or_skip()
+    cfg = load_config(None, [
+        f"run_dir={tmp_path / 'run'}", "mesh=1x1", "model.name=tiny", f"tasks.dataset={tmp_path / 'tasks'}",
+        "tasks.generate_n=40", "episode.max_turns=1", "episode.max_new_tokens=4", "episode.context_limit=4096",
+        "es.noise=lowrank", "es.batched_population=true", "es.population=3", "es.tasks_per_member=2",
+        "es.updates=1", "pool.mode=sync", "pool.workers_per_replica=2", "eval.every=1", "eval.val_tasks=2",
+        "eval.test_tasks=2"])
+    commit = ESTrainer._on_commit
+
+    def commit_then_stop(self, cohort):
+        commit(self, cohort)
+        self.request_stop()
+
+    def evaluated(**kw) -> set:  # train (as asyncres_jax.trainer.train does, evaluations attached) and list the evals
+        trainer = ESTrainer(cfg, devices=jax.devices()[:1], **kw)
+        attach(trainer)
+        try:
+            assert trainer.run() == 1
+        finally:
+            trainer.close()
+        return {(e["split"], e["update"]) for e in read_evals(tmp_path / "run")}
+
+    monkeypatch.setattr(ESTrainer, "_on_commit", commit_then_stop)
+    assert evaluated() == {("val", 0), ("test", 0)}
+    monkeypatch.undo()
+    assert evaluated(resume=True) == {("val", 0), ("test", 0), ("val", 1), ("test", 1)}

@@ -176,6 +176,8 @@ class GRPOTrainer(Trainer):
         self._t0 = time.monotonic()
         if self.step >= cfg.grpo.steps:
             log(f"{self.run_dir} already holds {self.step} GRPO steps (grpo.steps={cfg.grpo.steps})")
+            for hook in self.drained_hooks:  # the final evaluations, if a stop request came before them
+                hook(self)
             return self.step
         log(f"GRPO on {self.model.source} over mesh {self.mesh.shape['data']}x{self.mesh.shape['model']}:"
             f" step {self.step} -> {cfg.grpo.steps}, {cfg.grpo.prompts_per_step} tasks x "
