@@ -201,6 +201,7 @@ def run_evaluation(policy, tasks: Sequence[Any], backend, episode_cfg, seeds: Se
                 if len(texts) < samples:
                     texts.append(format_transcript(r))
             bar.update(len(chunk))
+            hostmem.release_free_memory()  # the batch's buffers are free now (see hostmem)
     bar.close()
     if start_errors:
         print(f"warning: {len(start_errors)} episodes could not start and are left out of the evaluation; first: "
@@ -271,7 +272,6 @@ def evaluate_params(cfg, model, params, split: str, n_tasks: int, backend, *, ou
     policy = ModelPolicy.from_config(engine, params, episode_cfg)
     episodes = run_evaluation(policy, tasks, backend, episode_cfg, seeds, transcripts=sample_path)
     seconds = time.monotonic() - t
-    hostmem.release_free_memory()  # the evaluation's batches freed their buffers (see hostmem)
     r = report(episodes, split=split, seconds=seconds, tokens_per_second=sum(e.tokens for e in episodes) / seconds,
                temperature=episode_cfg.temperature)
     return r
