@@ -98,16 +98,8 @@ def es_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESCo
     the members a replica's workers hold at once, batched into one cohort."""
     kw = dict(global_seed=global_seed, tasks_per_member=tasks_per_member, fitness=fitness)
     if batched_population:
-        job_fn = cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=max_batch, **kw)
-    else:
-        job_fn = episode_job_fn(model, tasks, backend, episode_cfg, es_cfg, **kw)
-
-    def play(job: Job, params) -> JobResult:
-        try:
-            return job_fn(job, params)
-        finally:  # the batch's host buffers are free now; without this a run's resident size ratchets up
-            hostmem.release_free_memory()
-    return play
+        return cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=max_batch, **kw)
+    return episode_job_fn(model, tasks, backend, episode_cfg, es_cfg, **kw)
 
 
 def cohort_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESConfig, *, global_seed: int,
@@ -119,7 +111,9 @@ def cohort_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.
 
     def batch_fn(jobs, params):
         batch = task_batch(tasks, global_seed, jobs[0].task_version, tasks_per_member)
-        return run_cohort(engine_for(params), params, jobs, batch, backend, episode_cfg, es_cfg, fitness=fitness)
+        results = run_cohort(engine_for(params), params, jobs, batch, backend, episode_cfg, es_cfg, fitness=fitness)
+        hostmem.release_free_memory()  # once per batch, by its lead: the batch's host buffers are free now
+        return results
     return JobBatcher(batch_fn, max_batch=max_batch)
 
 
@@ -144,6 +138,7 @@ def episode_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es
         policy = policy_factory(engine_for(params), perturbed, episode_cfg)
         results = run_episodes(policy, batch, backend, episode_cfg, seed=job.sampling_seed, work=work)
         seconds = time.monotonic() - t
+        hostmem.release_free_memory()  # the episodes' host buffers are free now (see hostmem)
         work["host"] += max(0.0, seconds - sum(work[k] for k in PHASES))  # the perturbation, the policy's set-up
         generated = sum(int(np.sum(r.tokens.generated_mask)) for r in results if r.tokens is not None)
         return JobResult(fitness_of(results, fitness), {
