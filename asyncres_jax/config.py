@@ -84,8 +84,9 @@ class EpisodeSection:
                                       "small model that ignores the tag format into running a command)")
     command_per_line: bool = opt(False, "scaffold for small models: every reply is '<command>' (given) + one "
                                         "generated line, closed by the harness; a line saying done ends the episode")
-    system_prompt: str = opt("full", "full (the protocol's rules, ~270 tokens) or short (~70 tokens, for the "
-                                     "one-command-per-line scaffold)")
+    system_prompt: str = opt("full", "full (the protocol's rules, ~270 tokens), compact (the same without the "
+                                     "<think> format, ~145 tokens) or short (~70 tokens); the last two are for the "
+                                     "one-command-per-line scaffold")
 
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "episode_timeout_s", "command_timeout_s"):
@@ -95,7 +96,7 @@ class EpisodeSection:
         if not 0 < self.top_p <= 1:
             raise UserError(f"episode.top_p={self.top_p} is not valid; it must be in (0, 1]")
         _choice("episode", "fitness", self.fitness, ("binary", "partial"))
-        _choice("episode", "system_prompt", self.system_prompt, ("full", "short"))
+        _choice("episode", "system_prompt", self.system_prompt, ("full", "compact", "short"))
 
 
 @dataclass

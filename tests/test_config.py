@@ -38,7 +38,7 @@ def test_round_trips_through_yaml(tmp_path):
         ("es.sigma=0", "es.sigma=0.0 is not valid"),
         ("pool.mode=eventual", "pool.mode='eventual'"),
         ("sandbox.backend=vm", "choose one of bwrap, docker"),
-        ("episode.system_prompt=terse", "choose one of full, short"),
+        ("episode.system_prompt=terse", "choose one of full, compact, short"),
         ("mesh=eight", "mesh"),
         ("es.population", "is not key=value"),
     ],

@@ -133,13 +133,37 @@ def test_a_solved_episode_is_graded_and_has_the_protocol_transcript():
     assert r.tokens is None and backend.all_closed() and backend.graded == ["t0"]
 
 
-def test_the_short_system_prompt_replaces_the_protocol_rules_and_unknown_names_are_refused():
-    [r] = run_episodes(ScriptedPolicy(["touch ok"]), tasks(1), FakeBackend(), EpisodeConfig(system_prompt="short"))
-    assert r.transcript[0] == {"role": "system", "content": protocol.SHORT_SYSTEM_PROMPT}
+@pytest.mark.parametrize("name, prompt", [("compact", protocol.COMPACT_SYSTEM_PROMPT),
+                                          ("short", protocol.SHORT_SYSTEM_PROMPT)])
+def test_a_shorter_system_prompt_replaces_the_protocol_rules_and_unknown_names_are_refused(name, prompt):
+    [r] = run_episodes(ScriptedPolicy(["touch ok"]), tasks(1), FakeBackend(), EpisodeConfig(system_prompt=name))
+    assert r.transcript[0] == {"role": "system", "content": prompt}
     assert r.transcript[1]["content"] == "Create /home/user/ok." and r.reward == 1.0
-    assert len(protocol.SHORT_SYSTEM_PROMPT) < len(protocol.SYSTEM_PROMPT) / 3
-    with pytest.raises(UserError, match="system_prompt='terse' is not one of full, short"):
+    assert len(protocol.SHORT_SYSTEM_PROMPT) < len(protocol.COMPACT_SYSTEM_PROMPT) < len(protocol.SYSTEM_PROMPT) * 0.6
+    with pytest.raises(UserError, match="system_prompt='terse' is not one of full, compact, short"):
         EpisodeConfig(system_prompt="terse")
+
+
+def test_the_compact_prompt_fits_a_first_turn_of_the_cpu_default_in_256_cache_slots():
+    """Why the CPU default uses it: prompt + "<command>" + 48 generated tokens stay in the 256-slot bucket for every
+    basics/easy task, where the full prompt needs the 384-slot one for all of them."""
+    from asyncres_jax.envs.generator import draw
+    from asyncres_jax.envs.generator.families import FAMILIES
+    from asyncres_jax.model import named_model_path
+    from asyncres_jax.model.generate import slot_bucket
+    from asyncres_jax.model.gguf import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(named_model_path("smollm2-135m-instruct"))
+    instructions = [draw(0, i, split, FAMILIES["basics"], "easy")[1].instruction
+                    for i in range(40) for split in ("train", "test")]
+
+    def slots(system_prompt: str, instruction: str) -> int:
+        text = tok.apply_chat_template(protocol.first_messages(instruction, system_prompt), tokenize=False,
+                                       add_generation_prompt=True) + protocol.COMMAND_OPEN
+        return len(tok(text, add_special_tokens=False)["input_ids"]) + 48
+
+    assert max(slot_bucket(slots("compact", i)) for i in instructions) == 256
+    assert min(slot_bucket(slots("full", i)) for i in instructions) == 384
 
 
 def test_invalid_replies_get_the_nudge_and_count_as_turns():

@@ -132,7 +132,7 @@ def test_every_shipped_config_is_valid_for_its_program():
     assert (cpu.model.name, cpu.sandbox.backend, cpu.pool.mode, cpu.pool.max_staleness) == (
         "smollm2-135m-instruct", "bwrap", "async", 1)
     # the study's rows keep the system prompt they were run with, whatever the CPU default's becomes
-    assert all(c.episode.system_prompt == "full" for c in study)
+    assert all(c.episode.system_prompt == "full" for c in study) and cpu.episode.system_prompt == "compact"
     assert cpu.tasks.generate_n > 0  # generated offline on the first run
 
 
@@ -173,6 +173,8 @@ def test_options_added_to_the_schema_keep_earlier_runs_fingerprints():
 
     # recorded before es.divide_by_sigma, es.weight_decay and es.adam_* became config keys
     assert fingerprint(load_config(None)) == "34c56ad8b7a71c0c"
-    assert fingerprint(load_config(REPO / "configs" / "smollm2_cpu.yaml")) == "47c8fcf6b173e1c0"
+    # the CPU default as it was then (it has used the compact system prompt since)
+    assert fingerprint(load_config(REPO / "configs" / "smollm2_cpu.yaml", ["episode.system_prompt=full"])) == (
+        "47c8fcf6b173e1c0")
     assert fingerprint(load_config(None, ["es.optimizer=adam", "es.noise=lowrank"])) == "2d3e8f334305906f"
     assert fingerprint(load_config(None, ["es.weight_decay=0.01"])) != "34c56ad8b7a71c0c"  # set, it counts

@@ -43,7 +43,7 @@ class EpisodeConfig:
     command_per_line: bool = False  # the one-command-per-line scaffold for small models (ModelPolicy)
     start_retries: int = 2  # more tries for a sandbox that fails to start; then the episode is an error
     reward_key: str = ""  # the verifier's metric (reward.json key) taken as the reward; "": its default
-    system_prompt: str = "full"  # protocol.SYSTEM_PROMPTS: "full" (the protocol's rules) or "short"
+    system_prompt: str = "full"  # protocol.SYSTEM_PROMPTS: "full" (the protocol's rules), "compact" or "short"
 
     def __post_init__(self):
         for name in ("max_turns", "max_new_tokens", "context_limit", "output_cap", "max_workers"):

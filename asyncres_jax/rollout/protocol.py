@@ -39,7 +39,22 @@ SHORT_SYSTEM_PROMPT = (
     "You are an agent operating a Linux terminal as an unprivileged user whose home is /home/user. Reply with one "
     "shell command inside <command></command> tags, for example <command>ls -la /home/user</command>, or with "
     "<action>done</action> once the task is complete.")
-SYSTEM_PROMPTS = {"full": SYSTEM_PROMPT, "short": SHORT_SYSTEM_PROMPT}
+# The full prompt without its <think> format (the one-command-per-line scaffold never asks for reasoning) and with
+# its rules folded into two sentences: ~145 prompt tokens, so a first prompt and its reply fit a 256-slot cache.
+# Unlike the short prompt, SmolLM2-135M solves as many tasks with it as with the full one (docs/performance.md).
+COMPACT_SYSTEM_PROMPT = """\
+You are an agent operating a Linux terminal to complete a task for the user. You work as an unprivileged \
+user whose home and working directory is /home/user.
+
+Reply with exactly ONE shell command inside <command></command> tags, for example
+<command>ls -la /home/user</command>
+or with <action>done</action> once the task is fully complete.
+
+After each command you will see its output and exit code. The shell is not interactive: never start editors, \
+pagers or prompts; write files with `printf`, `cat`, `sed -i` or here-documents. Check your work before you \
+declare the task done.
+"""
+SYSTEM_PROMPTS = {"full": SYSTEM_PROMPT, "compact": COMPACT_SYSTEM_PROMPT, "short": SHORT_SYSTEM_PROMPT}
 
 NUDGE = (
     "I could not find a command in your reply. Reply with exactly one shell command inside "
