@@ -153,7 +153,9 @@ def test_a_stateful_optimiser_sends_weights_through_the_object_store(cluster):
     # each new version reaches one or both actors (an actor that got none of a version's jobs skips it)
     assert syncs["replay"] == 0 and syncs["copy"] >= UPDATES - 1
     n_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(store.params))
-    assert pool.bytes_sent["copy"] == pool.puts * n_bytes and UPDATES - 1 <= pool.puts < syncs["copy"]  # shared
+    # a version's weights go into the object store once, however many actors fetch them (both, or only one when
+    # the other got none of its jobs)
+    assert pool.bytes_sent["copy"] == pool.puts * n_bytes and UPDATES - 1 <= pool.puts <= min(UPDATES, syncs["copy"])
     for a, b in zip(jax.tree.leaves(store.params), jax.tree.leaves(ref_store.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
