@@ -41,7 +41,8 @@ SHORT_SYSTEM_PROMPT = (
     "<action>done</action> once the task is complete.")
 # The full prompt without its <think> format (the one-command-per-line scaffold never asks for reasoning) and with
 # its rules folded into two sentences: ~145 prompt tokens, so a first prompt and its reply fit a 256-slot cache.
-# Unlike the short prompt, SmolLM2-135M solves as many tasks with it as with the full one (docs/performance.md).
+# Unlike the short prompt, SmolLM2-135M solves at least as many tasks with it as with the full one
+# (docs/performance.md).
 COMPACT_SYSTEM_PROMPT = """\
 You are an agent operating a Linux terminal to complete a task for the user. You work as an unprivileged \
 user whose home and working directory is /home/user.
