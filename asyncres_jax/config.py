@@ -137,6 +137,9 @@ class ESSection:
     members_per_batch: int = opt(0, "batched_population: members per batch (0: pool.workers_per_replica, all of a "
                                     "replica's workers in one batch; fewer runs several batches at once, so async "
                                     "batches overlap commits and some results land stale)")
+    streams_per_batch: int = opt(1, "batched_population: play a batch's members as this many smaller batches at once, "
+                                    "one thread each (2 on a 2-core CPU, which one generation keeps only partly "
+                                    "busy); the batch still reports as one, so episodes and schedules are unchanged")
 
     def core(self):
         """The es.ESConfig of this section (every field that ESConfig has)."""
@@ -148,6 +151,7 @@ class ESSection:
         for name in ("updates", "tasks_per_member"):
             _positive("es", name, getattr(self, name))
         _positive("es", "members_per_batch", self.members_per_batch, allow_zero=True)
+        _positive("es", "streams_per_batch", self.streams_per_batch)
         try:
             self.core()
         except UserError as e:  # the core names its fields ESConfig.NAME; here they are YAML keys
@@ -156,6 +160,9 @@ class ESSection:
             raise UserError("es.batched_population=true needs es.noise=lowrank")
         if self.members_per_batch and not self.batched_population:
             raise UserError(f"es.members_per_batch={self.members_per_batch} needs es.batched_population=true")
+        if self.streams_per_batch > 1 and not self.batched_population:
+            raise UserError(f"es.streams_per_batch={self.streams_per_batch} needs es.batched_population=true "
+                            "(it splits a batched population's members); use 1")
 
 
 @dataclass

@@ -39,9 +39,10 @@ from asyncres_jax.mesh import make_mesh
 from asyncres_jax.model.sharding import param_shardings
 
 CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS, LOCK_FILE = "config.yaml", "manifest.json", "checkpoints", ".lock"
-# Keys that may change between sessions of one run: where it runs and how long it goes on.
+# Keys that may change between sessions of one run: where it runs, how long it goes on, and how many generations a
+# batched population plays at once (the same episodes either way).
 SESSION_KEYS = ("mesh", "run_dir", "es.updates", "grpo.steps", "pool.backend", "pool.ray_address", "pool.ray_actors",
-                "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor", "eval.base_from")
+                "pool.ray_cpus_per_actor", "pool.ray_gpus_per_actor", "eval.base_from", "es.streams_per_batch")
 ADDED_KEYS = ("es.divide_by_sigma", "es.weight_decay", "es.adam_b1", "es.adam_b2", "es.adam_eps", "episode.reward_key",
               "episode.start_retries", "episode.system_prompt", "pool.pace_admission", "es.shaping_groups",
               "pool.held_back_tasks", "es.members_per_batch")

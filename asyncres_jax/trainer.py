@@ -90,7 +90,7 @@ def job_fn_for(cfg: TrainConfig, model, dataset: pathlib.Path | None, workers_pe
         return es_job_fn(model, tasks, backend, episode_cfg, es_cfg, global_seed=cfg.seed,
                          tasks_per_member=cfg.es.tasks_per_member, fitness=cfg.episode.fitness,
                          batched_population=cfg.es.batched_population,
-                         max_batch=max_batch), backend
+                         max_batch=max_batch, streams=cfg.es.streams_per_batch), backend
     except BaseException:
         backend.close()
         raise

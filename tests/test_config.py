@@ -121,3 +121,17 @@ def test_members_per_batch_is_an_option_of_the_batched_population_and_fits_a_rep
         members_per_batch(load_config(None, [*batched, "es.members_per_batch=5"]), 4)
     with pytest.raises(UserError, match="es.members_per_batch=2 needs es.batched_population=true"):
         load_config(None, ["es.members_per_batch=2"])
+
+
+def test_streams_per_batch_splits_a_batched_population_and_may_change_between_sessions():
+    from asyncres_jax.run import fingerprint
+
+    batched = ["es.noise=lowrank", "es.batched_population=true"]
+    assert load_config(None, batched).es.streams_per_batch == 1
+    with pytest.raises(UserError, match=r"^es.streams_per_batch=0 is not valid; it must be > 0$"):
+        load_config(None, [*batched, "es.streams_per_batch=0"])
+    with pytest.raises(UserError, match=r"^es.streams_per_batch=2 needs es.batched_population=true .*use 1$"):
+        load_config(None, ["es.streams_per_batch=2"])
+    # the same episodes either way: a run resumes with another number of streams
+    two = load_config(None, [*batched, "es.streams_per_batch=2"])
+    assert fingerprint(two) == fingerprint(load_config(None, batched))

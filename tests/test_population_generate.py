@@ -1,19 +1,25 @@
 """Population batching through the generation engine and the episode runner: a mixed batch of low-rank members
 generates, row by row, what each member's materialised model generates on its own (greedy), also after rows
-leave the batch; a cohort's members x tasks episodes in one batch are each member's own episodes."""
+leave the batch; a cohort's members x tasks episodes in one batch are each member's own episodes, also when the
+batch is played as several smaller generations at once."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from asyncres_jax import es
+from asyncres_jax.errors import UserError
 from asyncres_jax.es.population import LowRankPopulation
 from asyncres_jax.model.generate import Engine
 from asyncres_jax.model.tiny import tiny_model
 from asyncres_jax.rollout.cohort import play_cohort, run_cohort
 from asyncres_jax.rollout.coordinator import Job
-from asyncres_jax.rollout.episodes import EpisodeConfig, ModelPolicy, run_episodes
+from asyncres_jax.rollout import cancel
+from asyncres_jax.rollout.episodes import COUNTS, PHASES, EpisodeConfig, ModelPolicy, run_episodes
 from test_episodes import FakeBackend, tasks
 
 # One config for every test here (one compiled noise program); members differ visibly at this sigma.
@@ -110,3 +116,46 @@ def test_cohort_members_share_the_sampling_randomness_of_each_task(model, engine
     for j in range(2):
         assert same_episode(together[0][j], together[1][j]) and same_episode(together[0][j], alone[0][j])
     assert not same_episode(together[0][0], together[0][1])
+
+
+def test_a_cohort_played_as_streams_plays_the_same_episodes_and_counts_each_streams_work(model, engine):
+    """es.streams_per_batch: members 0-1 and member 2 play as two generations at once, one thread each."""
+    cfg = EpisodeConfig(max_turns=2, max_new_tokens=6, temperature=0.0, **PREFIX)
+    jobs = [Job(i, 3, i, s, 0, 17) for i, (s, _) in enumerate(MEMBERS)]
+    batch = tasks(2)
+    whole = play_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES)
+    apart = [dict.fromkeys(PHASES, 0.0) for _ in range(2)]
+    play_cohort(engine, model.params, jobs[:2], batch, FakeBackend(), cfg, ES, work=apart[0])
+    play_cohort(engine, model.params, jobs[2:], batch, FakeBackend(), cfg, ES, work=apart[1])
+
+    work, t = dict.fromkeys(PHASES, 0.0), time.monotonic()
+    streamed = play_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES, streams=2, work=work)
+    wall = time.monotonic() - t
+    assert [len(m) for m in streamed] == [2, 2, 2]
+    for member_whole, member_streamed in zip(whole, streamed):
+        for a, b in zip(member_whole, member_streamed):
+            assert same_episode(a, b), (a.transcript, b.transcript)
+    for k in COUNTS:  # the engine's token counts add up over the streams
+        assert work[k] == apart[0][k] + apart[1][k] > 0, k
+    # the phases are the streams' mean: a batch's worker-seconds cover its wall clock once, not once per stream
+    assert 0 < sum(work[k] for k in PHASES) <= wall
+    # more streams than members: one member each
+    one_each = play_cohort(engine, model.params, jobs, batch, FakeBackend(), cfg, ES, streams=8)
+    assert [[e.transcript for e in m] for m in one_each] == [[e.transcript for e in m] for m in whole]
+
+
+def test_streams_must_be_a_positive_integer():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(UserError, match=r"^streams=.* must be a positive integer"):
+            play_cohort(None, None, [Job(0, 0, 0, 1, 0, 0)], tasks(1), None, EpisodeConfig(), ES, streams=bad)
+
+
+def test_a_cancelled_job_stops_every_stream_and_closes_their_sandboxes(model, engine):
+    """The cancellation event lives in a context variable; each stream's thread runs in a copy of the context."""
+    cfg = EpisodeConfig(max_turns=5, max_new_tokens=4, temperature=0.0, **PREFIX)
+    jobs = [Job(i, 3, i, s, 0, 17) for i, (s, _) in enumerate(MEMBERS)]
+    backend, stale = FakeBackend(), threading.Event()
+    stale.set()  # the commit that makes the batch's version too stale came before the first turn boundary
+    with cancel.scope(stale), pytest.raises(cancel.Cancelled):
+        play_cohort(engine, model.params, jobs, tasks(2), backend, cfg, ES, streams=2)
+    assert len(backend.sandboxes) == 6 and backend.all_closed() and backend.graded == []

@@ -9,13 +9,15 @@ held-out evaluation, one checkpoint at the end) and reports, over the updates af
   floor_seconds        in the same process: one plain batched generation of the same prompt and generated token
                        counts per update (each episode one row with the mean prompt+observation tokens of an
                        episode, generating the mean tokens of an episode, EOS disabled; rows batched as the update
-                       batches them), no sandboxes, no ES: what an update would cost if all but the model were free
+                       batches them, and split into es.streams_per_batch generations at once as the update splits
+                       them), no sandboxes, no ES: what an update would cost if all but the model were free
   floor_ratio          seconds_per_update / floor_seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
 import math
 import pathlib
@@ -54,9 +56,10 @@ def _parse(argv):
 
 
 def floor_seconds(model, episodes: int, prompt_tokens: int, new_tokens: int, batch_rows: int,
-                  repeats: int) -> tuple[float, int]:
+                  repeats: int, streams: int = 1) -> tuple[float, int]:
     """Median seconds of `episodes` rows (`prompt_tokens` random prompt tokens each, `new_tokens` generated,
-    greedy, EOS disabled) in batches of `batch_rows`, after one untimed run; and the tokens generated per run."""
+    greedy, EOS disabled) in batches of `batch_rows`, each split into `streams` generations run at once (as
+    es.streams_per_batch plays a batch), after one untimed run; and the tokens generated per run."""
     from asyncres_jax.model import Model
     from asyncres_jax.model.generate import Engine
     from asyncres_jax.model.sampling import Sampling
@@ -65,12 +68,18 @@ def floor_seconds(model, episodes: int, prompt_tokens: int, new_tokens: int, bat
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, model.config.vocab_size, (episodes, max(1, prompt_tokens)), np.int32).tolist()
 
+    def play(rows: list[list[int]]) -> int:
+        conv = engine.start_tokens(model.params, rows, seed=0)
+        conv, _ = engine.generate(model.params, conv, max(1, new_tokens), Sampling(temperature=0.0))
+        return sum(int(np.sum(g)) for g in conv.generated_mask)
+
     def run() -> int:
         generated = 0
-        for b0 in range(0, episodes, batch_rows):
-            conv = engine.start_tokens(model.params, prompts[b0:b0 + batch_rows], seed=0)
-            conv, _ = engine.generate(model.params, conv, max(1, new_tokens), Sampling(temperature=0.0))
-            generated += sum(int(np.sum(g)) for g in conv.generated_mask)
+        with cf.ThreadPoolExecutor(streams) as pool:
+            for b0 in range(0, episodes, batch_rows):
+                batch = prompts[b0:b0 + batch_rows]
+                parts = np.array_split(np.arange(len(batch)), min(streams, len(batch)))
+                generated += sum(pool.map(lambda part: play([batch[i] for i in part]), parts))
         return generated
 
     generated = run()
@@ -109,7 +118,8 @@ def main(argv: list[str]) -> int:
                                                     if cfg.es.batched_population else 1)
             floor, floor_generated = floor_seconds(
                 trainer.model, episodes, int(round(mean["prefill_tokens"] / episodes)),
-                int(round(mean["tokens"] / episodes)), min(batch_rows, episodes), args.floor_repeats)
+                int(round(mean["tokens"] / episodes)), min(batch_rows, episodes), args.floor_repeats,
+                streams=cfg.es.streams_per_batch if cfg.es.batched_population else 1)
         finally:
             trainer.close()
     seconds = statistics.median(r["update_seconds"] for r in records)

@@ -3,7 +3,8 @@ tasks rows, through one generation over one copy of the weights (low-rank ES: es
 
 - `play_cohort(engine, params, jobs, tasks, ...)`: the jobs' members x tasks episodes in one `run_episodes`
   call with a `PopulationPolicy`; `run_cohort` summarises them as one JobResult per job (fitness = that
-  member's mean reward, as rollout.jobs.episode_job_fn computes it for one member).
+  member's mean reward, as rollout.jobs.episode_job_fn computes it for one member). With `streams` > 1 the
+  members are played as that many smaller batches at once, one thread each, and still reported together.
 - `JobBatcher(batch_fn)`: the glue to the pool. The pool gives each worker thread one job at a time and stays
   as it is; a JobBatcher is a plain `job_fn(job, params)` that gathers the jobs its worker threads hold for
   the same weights (same dispatch version on the same replica) and runs them as ONE `batch_fn(jobs, params)`
@@ -12,7 +13,7 @@ tasks rows, through one generation over one copy of the weights (low-rank ES: es
   deadlines, re-issues and utilisation are accounted per member, unchanged).
 
 The trainer wires them (es.batched_population: JobBatcher over run_cohort on the version's task batch, with
-max_batch = pool.workers_per_replica).
+max_batch = pool.workers_per_replica, or es.members_per_batch, and streams = es.streams_per_batch).
 
 Common random numbers: every member of a cohort must see the same tasks and the same sampling randomness as
 when its job runs alone. The tasks are the version's; the engine keys a row's sampling by (seed, row id), so
@@ -21,7 +22,10 @@ PopulationPolicy gives row (member i, task j) the row id j, as in member i's own
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextvars
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -33,8 +37,8 @@ from asyncres_jax.errors import UserError
 from asyncres_jax.es.config import ESConfig
 from asyncres_jax.es.population import LowRankPopulation
 from asyncres_jax.rollout.coordinator import Job, JobResult
-from asyncres_jax.rollout.episodes import (COUNTS, PHASES, EpisodeConfig, EpisodeResult, ModelPolicy, fitness_of,
-                                           format_transcript, played, run_episodes)
+from asyncres_jax.rollout.episodes import (COUNTS, PHASES, EpisodeConfig, EpisodeResult, ModelPolicy, add_phases,
+                                           fitness_of, format_transcript, played, run_episodes)
 
 Params = Any
 
@@ -84,19 +88,47 @@ def _member_result(job: Job, results: Sequence[EpisodeResult], fitness: str, sec
 
 
 def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backend, episode_cfg: EpisodeConfig,
-                es_cfg: ESConfig, *, contraction: str = "select",
+                es_cfg: ESConfig, *, contraction: str = "select", streams: int = 1,
                 work: dict[str, float] | None = None) -> list[list[EpisodeResult]]:
     """Play `tasks` once per job's member, all members x tasks episodes in one batch; episodes per job.
 
     The jobs must be of one task version (same task batch and sampling seed). ModelPolicy options (first_reply_prefix,
-    command_per_line) come with episode_cfg. `work`: as run_episodes'.
+    command_per_line) come with episode_cfg. `work`: as run_episodes', plus the population's set-up as host time.
+
+    streams > 1 splits the members into that many groups (in order, as equal as can be), each played as its own
+    batch in its own thread, all at once: one XLA program keeps a 2-core CPU only partly busy, two use it better. A
+    row's numbers do not depend on its batch mates, so every episode is the one the whole batch plays. `work`
+    then gets the groups' mean phases; the time a group waits for a slower one is in no phase (it is waiting).
     """
     if es_cfg.noise != "lowrank":
         raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
+    if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise UserError(f"streams={streams!r} must be a positive integer (1: the whole batch in one generation)")
     if not jobs:
         return []
     if len({(j.task_version, j.task_batch_id, j.sampling_seed) for j in jobs}) != 1:
         raise ValueError("play_cohort: the jobs are not of one task version (task batch and sampling seed differ)")
+    play = functools.partial(_play_members, engine, params, tasks=tasks, backend=backend, episode_cfg=episode_cfg,
+                             es_cfg=es_cfg, contraction=contraction)
+    groups = [list(g) for g in np.array_split(np.arange(len(jobs)), min(streams, len(jobs)))]
+    if len(groups) == 1:
+        return play(list(jobs), work=work)
+    works = [dict.fromkeys(PHASES, 0.0) for _ in groups]
+    with cf.ThreadPoolExecutor(len(groups), thread_name_prefix="cohort-stream") as pool:
+        # each thread runs in a copy of this context, so a cancelled job (rollout.cancel) stops every group
+        futures = [pool.submit(contextvars.copy_context().run, play, [jobs[i] for i in g], work=w)
+                   for g, w in zip(groups, works)]
+        members = [m for f in futures for m in f.result()]
+    if work is not None:
+        add_phases(work, {k: sum(w[k] for w in works) / len(works) for k in PHASES})
+        add_phases(work, {k: sum(w.get(k, 0) for w in works) for k in COUNTS})
+    return members
+
+
+def _play_members(engine, params, jobs: list[Job], *, tasks, backend, episode_cfg, es_cfg, contraction,
+                  work: dict[str, float] | None) -> list[list[EpisodeResult]]:
+    """The jobs' members x tasks episodes as one batch (play_cohort without streams)."""
+    t, own = time.monotonic(), dict.fromkeys(PHASES, 0.0)
     n_tasks = len(tasks)
     population = LowRankPopulation.create(params, es_cfg, [j.member_seed for j in jobs],
                                           [es_cfg.member_sign(j.member_index) for j in jobs], rows_per_member=n_tasks,
@@ -104,7 +136,10 @@ def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backe
     policy = PopulationPolicy.from_config(engine, params, episode_cfg, population=population,
                                           tasks_per_member=n_tasks)
     results = run_episodes(policy, list(tasks) * len(jobs), backend, episode_cfg, seed=jobs[0].sampling_seed,
-                           work=work)
+                           work=own)
+    own["host"] += max(0.0, time.monotonic() - t - sum(own[k] for k in PHASES))  # the population's, the policy's set-up
+    if work is not None:
+        add_phases(work, own)
     return [results[i * n_tasks:(i + 1) * n_tasks] for i in range(len(jobs))]
 
 
@@ -116,7 +151,6 @@ def run_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backen
     t, work = time.monotonic(), dict.fromkeys(PHASES, 0.0)
     episodes = play_cohort(engine, params, jobs, tasks, backend, episode_cfg, es_cfg, work=work, **kw)
     seconds = time.monotonic() - t
-    work["host"] += max(0.0, seconds - sum(work[k] for k in PHASES))  # the population's set-up, the policy's
     return [_member_result(job, member, fitness, seconds, len(jobs), work) for job, member in zip(jobs, episodes)]
 
 

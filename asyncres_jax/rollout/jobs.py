@@ -93,25 +93,27 @@ def fake_job_fn(model_cfg: ModelConfig, es_cfg: es.ESConfig) -> Callable[[Job, A
 
 def es_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESConfig, *, global_seed: int,
               tasks_per_member: int, fitness: str = "binary", batched_population: bool = False,
-              max_batch: int = 1) -> Callable[[Job, Any], JobResult]:
+              max_batch: int = 1, streams: int = 1) -> Callable[[Job, Any], JobResult]:
     """The ES pool's job over real episodes: one member per call, or (batched_population) up to `max_batch` of
-    the members a replica's workers hold at once, batched into one cohort."""
+    the members a replica's workers hold at once, batched into one cohort (played as `streams` groups at once)."""
     kw = dict(global_seed=global_seed, tasks_per_member=tasks_per_member, fitness=fitness)
     if batched_population:
-        return cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=max_batch, **kw)
+        return cohort_job_fn(model, tasks, backend, episode_cfg, es_cfg, max_batch=max_batch, streams=streams, **kw)
     return episode_job_fn(model, tasks, backend, episode_cfg, es_cfg, **kw)
 
 
 def cohort_job_fn(model, tasks: Sequence[Any], backend, episode_cfg, es_cfg: es.ESConfig, *, global_seed: int,
-                  tasks_per_member: int, fitness: str = "binary", max_batch: int = 1):
-    """Low-rank ES with up to `max_batch` members played as one batch over one copy of W (a JobBatcher)."""
+                  tasks_per_member: int, fitness: str = "binary", max_batch: int = 1, streams: int = 1):
+    """Low-rank ES with up to `max_batch` members played as one batch over one copy of W (a JobBatcher), split
+    into `streams` groups played at once (rollout.cohort.play_cohort)."""
     from asyncres_jax.rollout.cohort import JobBatcher, run_cohort
 
     engine_for = engines_per_mesh(model, episode_cfg.context_limit)
 
     def batch_fn(jobs, params):
         batch = task_batch(tasks, global_seed, jobs[0].task_version, tasks_per_member)
-        results = run_cohort(engine_for(params), params, jobs, batch, backend, episode_cfg, es_cfg, fitness=fitness)
+        results = run_cohort(engine_for(params), params, jobs, batch, backend, episode_cfg, es_cfg, fitness=fitness,
+                             streams=streams)
         hostmem.release_free_memory()  # once per batch, by its lead: the batch's host buffers are free now
         return results
     return JobBatcher(batch_fn, max_batch=max_batch)
