@@ -16,9 +16,9 @@ from asyncres_jax.errors import UserError
 from asyncres_jax.es.population import LowRankPopulation
 from asyncres_jax.model.generate import Engine
 from asyncres_jax.model.tiny import tiny_model
+from asyncres_jax.rollout import cancel
 from asyncres_jax.rollout.cohort import play_cohort, run_cohort
 from asyncres_jax.rollout.coordinator import Job
-from asyncres_jax.rollout import cancel
 from asyncres_jax.rollout.episodes import COUNTS, PHASES, EpisodeConfig, ModelPolicy, run_episodes
 from test_episodes import FakeBackend, tasks
 

@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
             floor, floor_generated = floor_seconds(
                 trainer.model, episodes, int(round(mean["prefill_tokens"] / episodes)),
                 int(round(mean["tokens"] / episodes)), min(batch_rows, episodes), args.floor_repeats,
-                streams=cfg.es.streams_per_batch if cfg.es.batched_population else 1)
+                streams=cfg.es.streams_per_batch)  # 1 unless the population is batched (ESSection checks)
         finally:
             trainer.close()
     seconds = statistics.median(r["update_seconds"] for r in records)
