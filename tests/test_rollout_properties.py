@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncres_jax.rollout import Outcome, PoolConfig, simulate
+from asyncres_jax.rollout import Outcome, PoolConfig, best_useful_fraction, simulate
 
 
 def durations(seed: int, sigma: float, p_raise: float = 0.0, p_hang: float = 0.0, hang_seconds: float = 50.0):
@@ -136,9 +136,13 @@ def test_controlled_schedule_holds_exactly_m_results_for_exactly_d_updates(n, m_
             assert sorted(r.job.member_index for r in held) == list(range(jobs - m, jobs))
 
 
-def _heavy_tail(cfg, updates=200):
-    run = simulate(cfg, durations(seed=7, sigma=1.5), num_updates=updates)
-    return run
+def _heavy_tail(cfg, updates=200, sigma=1.5):
+    return simulate(cfg, durations(seed=7, sigma=sigma), num_updates=updates)
+
+
+class _Job:
+    def __init__(self, member_seed):
+        self.member_seed = member_seed
 
 
 def test_async_keeps_its_throughput_when_results_are_dropped():
@@ -180,6 +184,34 @@ def test_paced_admission_drops_nothing_and_keeps_most_of_the_throughput():
     assert sum(m.dropped + m.cancelled for m in ms) == 0 and paced.coordinator.take_cancelled() == []
     assert max(max(m.staleness_hist) for m in ms) == 1
     assert paced.end_time < 0.7 * sync.end_time
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_no_async_schedule_beats_the_model_of_the_best_one(k):
+    """best_useful_fraction bounds accepted / spent worker time for schedules that neither idle nor know job
+    durations: cancelling at the commit that makes a job stale never passes it, and from K = 1 on comes close."""
+    sigma, n, w = 1.0, 16, 8
+    samples = [durations(seed=7, sigma=sigma)(_Job(seed), 0) for seed in range(20_000)]
+    best = 1 / best_useful_fraction(samples, n, w, k)
+    run = _heavy_tail(PoolConfig(population=n, num_workers=w, mode="async", max_staleness=k), sigma=sigma)
+    ms = run.metrics[20:]
+    slowdown = sum(m.wall_seconds for m in ms) / (sum(m.accepted_seconds for m in ms) / w)
+    assert slowdown > 0.98 * best  # 2% for the 180 measured updates' noise
+    if k >= 1:
+        assert slowdown < 1.1 * best
+
+
+def test_the_model_of_the_best_async_schedule():
+    rng = np.random.default_rng(0)
+    heavy, paper = rng.lognormal(0.0, 1.0, 50_000), rng.uniform(5.1, 11.9, 50_000)
+    # Jobs far shorter than a commit interval: nothing need be given up, at any K.
+    assert best_useful_fraction(paper, 30, 4, 0) == 1.0
+    # A long tail: a looser bound, or more results per commit, leaves a longer window and gives up less.
+    by_k = [best_useful_fraction(heavy, 16, 8, k) for k in range(6)]
+    assert by_k == sorted(by_k) and by_k[0] < 0.75 and 0.85 < by_k[1] < 0.88 and by_k[5] > 0.97
+    assert best_useful_fraction(heavy, 64, 8, 1) > best_useful_fraction(heavy, 16, 8, 1)
+    with pytest.raises(ValueError, match="durations"):
+        best_useful_fraction([], 16, 8, 1)
 
 
 @settings(max_examples=15, deadline=None)

@@ -11,7 +11,8 @@ backend "threads" is the measurement, backend "sim" the scheduling-theory refere
 Async schedules come in three admission variants: `-drop` runs stale jobs to the end and drops their results
 (cancel_stale=False), the plain name cancels them at the commit that makes them stale, `-paced` accepts every
 job it starts (cohorts in dispatch order). Work is split into useful (accepted results), cancelled, dropped
-and idle worker time.
+and idle worker time. Async rows also carry `best_async_vs_ideal`, the model of the best schedule that keeps
+its workers busy without knowing job durations (rollout.simulate.best_useful_fraction).
 
 Bias (scenario `correlated`): each member's perturbation eps_i is a D-dimensional normal vector (from its seed),
 its fitness g . eps_i + noise, and its log-duration leans on low fitness (failing episodes run all their
@@ -30,12 +31,14 @@ import argparse
 import dataclasses
 import json
 import time
+import types
 
 import numpy as np
 
 from asyncres_jax.errors import UserError, cli_main
 from asyncres_jax.es import ESConfig, shape_fitness
-from asyncres_jax.rollout import Coordinator, JobResult, ParamStore, PoolConfig, RolloutPool, UpdateMetrics, simulate
+from asyncres_jax.rollout import (Coordinator, JobResult, ParamStore, PoolConfig, RolloutPool, UpdateMetrics,
+                                  best_useful_fraction, simulate)
 from asyncres_jax.rollout import cancel
 
 
@@ -102,6 +105,15 @@ def log_duration(seed: int) -> float:
 
 def member_seed(global_seed: int, version: int, member: int) -> int:
     return int(np.random.SeedSequence([global_seed, version, member]).generate_state(1)[0])
+
+
+def best_vs_ideal(name: str, sc: Scenario, max_staleness: int, samples: int = 20_000) -> float:
+    """The least seconds per update against the ideal that an async schedule can reach on this scenario's job
+    durations (rollout.simulate.best_useful_fraction: no idle worker, durations unknown until a job ends)."""
+    duration = sc.duration(name)
+    seconds = [duration(types.SimpleNamespace(member_seed=member_seed(0, i // sc.population, i % sc.population)), 0)
+               for i in range(samples)]
+    return 1.0 / best_useful_fraction(seconds, sc.population, sc.workers, max_staleness)
 
 
 def summarize(metrics: list[UpdateMetrics], workers: int, population: int, scale: float = 1.0) -> dict:
@@ -270,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = {**base, "backend": backend, **fn(name, sc, cfg, args.warmup, n)}
                 row["expected_ideal_seconds_per_update"] = sc.expected_ideal
                 row["slowdown_vs_expected_ideal"] = row["seconds_per_update"] / sc.expected_ideal
+                if cfg.mode == "async":
+                    row["best_async_vs_ideal"] = best_vs_ideal(name, sc, cfg.staleness_bound)
                 updates = row.pop("_updates", None)
                 if updates is not None:
                     sync_updates = updates if sched == "sync" else sync_updates
@@ -279,14 +293,15 @@ def main(argv: list[str] | None = None) -> int:
                 row["bench_seconds"] = time.perf_counter() - t0
                 rows.append(row)
                 if not args.json:
+                    best = f"best-async x{row['best_async_vs_ideal']:.3f} " if "best_async_vs_ideal" in row else ""
+                    bias = (f" cos-vs-sync {row['update_cosine_vs_sync']:.3f} "
+                            f"h {row['duration_direction_component']:+.3f}" if "update_cosine_vs_sync" in row else "")
                     print(f"{name:6s} {sched:8s} {backend:7s} s/update {row['seconds_per_update']:.4f} "
                           f"ideal {row['ideal_seconds_per_update']:.4f} (x{row['slowdown_vs_ideal']:.3f}) "
-                          f"E-ideal x{row['slowdown_vs_expected_ideal']:.3f} "
+                          f"E-ideal x{row['slowdown_vs_expected_ideal']:.3f} {best}"
                           f"useful {row['useful_fraction']:.3f} cancelled {row['cancelled_fraction']:.3f} "
                           f"dropped {row['dropped_fraction']:.3f} idle {row['idle_fraction']:.3f} "
-                          f"stale {row['stale_fraction']:.3f} max-stale {row['max_accepted_staleness']}"
-                          + (f" cos-vs-sync {row['update_cosine_vs_sync']:.3f} "
-                             f"h {row['duration_direction_component']:+.3f}" if "update_cosine_vs_sync" in row else ""),
+                          f"stale {row['stale_fraction']:.3f} max-stale {row['max_accepted_staleness']}{bias}",
                           flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -16,13 +16,13 @@ from asyncres_jax.rollout.es_store import es_param_store
 from asyncres_jax.rollout.pool import Replica, RolloutPool
 from asyncres_jax.rollout.ray_pool import ActorSpec, RayRolloutPool, ReplicaState  # Ray itself loads on first use
 from asyncres_jax.rollout.replicas import replicas_from_mesh
-from asyncres_jax.rollout.simulate import Outcome, SimRun, simulate
+from asyncres_jax.rollout.simulate import Outcome, SimRun, best_useful_fraction, simulate
 from asyncres_jax.rollout.store import LogEntry, ParamStore
 
 __all__ = [
     "Accepted", "ActorSpec", "Attempt", "Cohort", "Coordinator", "Job", "JobResult", "LogEntry", "Outcome",
     "ParamStore", "PoolConfig", "RayRolloutPool", "Replica", "ReplicaState", "RolloutPool", "SimRun", "UpdateMetrics",
-    "batch_seeds", "es_param_store", "replicas_from_mesh", "simulate",
+    "batch_seeds", "best_useful_fraction", "es_param_store", "replicas_from_mesh", "simulate",
 ]
 
 # the episode runner (episodes.py)

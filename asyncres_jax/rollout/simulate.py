@@ -6,7 +6,8 @@ A cancelled attempt (its result can no longer be accepted) frees its worker at i
 when `turn_seconds` is None, else at the next multiple of `turn_seconds` after its start (or when it would have
 ended anyway, if that is sooner).
 
-Used by the property tests and by `bench pool` as the scheduling-theory reference.
+Used by the property tests and by `bench pool` as the scheduling-theory reference; `best_useful_fraction` is the
+model that bounds what an async schedule can reach on a given spread of job durations.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import dataclasses
 import heapq
 import math
 from typing import Callable
+
+import numpy as np
 
 from asyncres_jax.rollout.cancel import Cancelled
 from asyncres_jax.rollout.coordinator import Attempt, Cohort, Coordinator, Job, JobResult, PoolConfig
@@ -126,3 +129,34 @@ def simulate(
     if coord.fatal is not None:
         raise coord.fatal
     return SimRun(coord, cohorts, dispatches, now, stalled=False)
+
+
+def best_useful_fraction(durations, population: int, workers: int, max_staleness: int) -> float:
+    """The largest share of worker time that accepted results can take under a staleness bound K, for a schedule
+    that lets no worker idle and does not know a job's duration before it ends (a model; `durations` are
+    samples of the job durations).
+
+    A job dispatched while version d is current is acceptable until version d + K + 1 is committed: at most
+    K + 1 commit intervals I. Not knowing its duration, a schedule can only give up on a job at some age tau (at
+    the latest, that deadline), so the job costs min(X, tau) of worker time and is accepted iff X <= tau. Over
+    many jobs, accepted / spent is at most the best E[X; X <= tau] / E[min(X, tau)] of any single tau (a ratio
+    of sums is at most its largest term), and with steady commits I = N E[min(X, tau)] / (W P(X <= tau)): each
+    commit takes N accepted results from W workers. The bound is the best ratio over the tau that fit their
+    window, tau <= (K + 1) I(tau). Its inverse is the least seconds per update against the ideal (accepted
+    work / workers) that such a schedule reaches; a schedule that idles or holds commits is outside the model.
+    """
+    if population < 1 or workers < 1 or max_staleness < 0:
+        raise ValueError(f"need population, workers >= 1 and max_staleness >= 0, got {population}, {workers}, "
+                         f"{max_staleness}")
+    x = np.sort(np.asarray(durations, np.float64))
+    if x.ndim != 1 or len(x) == 0 or not np.all(np.isfinite(x)) or x[0] < 0:
+        raise ValueError("durations must be a non-empty 1-D array of finite non-negative numbers")
+    n = len(x)
+    # The ratio only falls between two sample values (the cost grows, the accepted work does not), so the
+    # candidates for tau are the samples themselves: tau = x[i] accepts the i + 1 shortest.
+    accepted = np.cumsum(x)
+    shorter = np.arange(1, n + 1)
+    spent = accepted + x * (n - shorter)
+    interval = population * (spent / n) / (workers * (shorter / n))
+    fits = x <= (max_staleness + 1) * interval
+    return float(np.max(accepted[fits] / spent[fits])) if fits.any() else 0.0
