@@ -99,7 +99,9 @@ def test_cached_decoding_matches_uncached_forward(params):
         logits, cache = step(params, CFG, tokens[:, lo:hi], positions[:, lo:hi], cache=cache, write_index=lo,
                              kv_valid_bs=kv_valid)
         got[:, lo:hi] = np.asarray(logits)
-    assert isinstance(cache, KVCache) and cache.k[0].shape == (2, CFG.num_kv_heads, 16, CFG.head_dim)
+    assert isinstance(cache, KVCache) and cache.length == 16
+    assert cache.k[0].shape == (2, CFG.num_kv_heads, CFG.head_dim, 16)  # keys slots-last (decoder.Attention)
+    assert cache.v[0].shape == (2, CFG.num_kv_heads, 16, CFG.head_dim)
     np.testing.assert_allclose(got[valid], ref[valid], atol=1e-5)
 
 

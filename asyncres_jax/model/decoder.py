@@ -111,21 +111,22 @@ class Attention(nnx.Module):
         k_btkh = self.k_proj(x_btd, perturbation).reshape(B, T, self.nkv, self.hd)
         v_btkh = self.v_proj(x_btd, perturbation).reshape(B, T, self.nkv, self.hd)
         q_btnh, k_btkh = _rope(q_btnh, positions_bt, self.theta), _rope(k_btkh, positions_bt, self.theta)
-        # The cache is head-major [B, nkv, S, hd]: both attention products then contract without relayout
-        # (with [B, S, nkv, hd] XLA CPU copied the whole cache into this layout every decode step, ~2.5x slower).
-        k_bksh, v_bksh = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
+        # The cache is head-major, keys [B, nkv, hd, S] and values [B, nkv, S, hd]: each attention product is
+        # then a plain matmul whose long axis S is contiguous (with [B, S, nkv, hd] XLA CPU copied the whole cache
+        # every decode step, ~2.5x slower; keys as [B, nkv, S, hd] made the score product ~1.5x slower).
+        k_bkhs, v_bksh = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
         if kv is not None:  # write the new keys/values at slots [write_index, write_index + T), attend over all S
             k_cache, v_cache = kv
-            k_bksh = jax.lax.dynamic_update_slice(k_cache, k_bksh.astype(k_cache.dtype), (0, 0, write_index, 0))
+            k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkhs.astype(k_cache.dtype), (0, 0, 0, write_index))
             v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bksh.astype(v_cache.dtype), (0, 0, write_index, 0))
-            kv = (k_bksh, v_bksh)
+            kv = (k_bkhs, v_bksh)
         # Grouped-query attention: query heads n = k * g share key/value head k. The (t, g) pairs of one kv head
         # form a single query axis q, so each product is one batched matmul [q, h] x [h, s] per (b, k): XLA CPU
         # ran the 5-D "btkgh,bksh" form as many tiny dots, 3-4x slower (docs/performance.md).
         g = self.nq // self.nkv
         q_bkqh = q_btnh.reshape(B, T, self.nkv, g, self.hd).transpose(0, 2, 1, 3, 4)
         q_bkqh = q_bkqh.reshape(B, self.nkv, T * g, self.hd)
-        s_bkqs = jnp.einsum("bkqh,bksh->bkqs", q_bkqh, k_bksh.astype(q_bkqh.dtype)).astype(jnp.float32)
+        s_bkqs = jnp.einsum("bkqh,bkhs->bkqs", q_bkqh, k_bkhs.astype(q_bkqh.dtype)).astype(jnp.float32)
         s_bkqs = s_bkqs / math.sqrt(self.hd)
         mask_bqs = jnp.broadcast_to(mask_bts[:, :, None, :], (B, T, g, mask_bts.shape[-1])).reshape(B, 1, T * g, -1)
         # A finite fill keeps rows with no valid key (pad queries) NaN-free; their output is never used.
@@ -197,13 +198,13 @@ class Decoder(nnx.Module):
 
 
 class KVCache(NamedTuple):
-    k: tuple  # per layer [B, nkv, S, hd] (head-major: see Attention)
+    k: tuple  # per layer [B, nkv, hd, S] (head-major, slots last: see Attention)
     v: tuple  # per layer [B, nkv, S, hd]
 
     @property
     def length(self) -> int:
         """Slots S."""
-        return self.k[0].shape[2]
+        return self.v[0].shape[2]
 
 
 def init_params(cfg: ModelConfig, key: Array, dtype=jnp.float32) -> Params:
@@ -230,19 +231,19 @@ def _graphdef(cfg: ModelConfig) -> nnx.GraphDef:
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> KVCache:
-    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return KVCache(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, length)
+    v_shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
+    return KVCache(tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
+                   tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)))
 
 
 def grow_cache(cache: KVCache, new_length: int) -> KVCache:
     """Zero-pad the slot axis to `new_length` (bucket growth; existing slots keep their index)."""
-    def pad(x):
-        extra = new_length - x.shape[2]
-        if extra < 0:
-            raise ValueError(f"grow_cache cannot shrink a cache of {x.shape[2]} slots to {new_length}")
-        return jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
-    return jax.tree.map(pad, cache)
+    extra = new_length - cache.length
+    if extra < 0:
+        raise ValueError(f"grow_cache cannot shrink a cache of {cache.length} slots to {new_length}")
+    return KVCache(tuple(jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, extra))) for k in cache.k),
+                   tuple(jnp.pad(v, ((0, 0), (0, 0), (0, extra), (0, 0))) for v in cache.v))
 
 
 def take_rows(cache: KVCache, rows_idx) -> KVCache:

@@ -30,7 +30,9 @@ LOGICAL_TO_MESH: dict[str, str | None] = {
     "cache_seq": None,
     "head_dim": None,
 }
-CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # a layer's [B, nkv, S, hd] keys or values
+# A layer's keys are [B, nkv, hd, S] and its values [B, nkv, S, hd] (decoder.Attention); only the first two axes
+# are split, so one spec serves both.
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def logical_to_spec(axes: Sequence[str], mesh_shape: dict[str, int], shape: Sequence[int | None] | None = None) -> P:
