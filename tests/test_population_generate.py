@@ -159,3 +159,39 @@ def test_a_cancelled_job_stops_every_stream_and_closes_their_sandboxes(model, en
     with cancel.scope(stale), pytest.raises(cancel.Cancelled):
         play_cohort(engine, model.params, jobs, tasks(2), backend, cfg, ES, streams=2)
     assert len(backend.sandboxes) == 6 and backend.all_closed() and backend.graded == []
+
+
+class OneCommandBreaks(FakeBackend):
+    """The first command of the whole batch raises: the stream that runs it fails in its first turn."""
+
+    broke = False
+
+    def start(self, task):
+        sandbox, backend = super().start(task), self
+        run = sandbox.run
+
+        def run_or_break(command, timeout=None):
+            with backend.lock:
+                first, backend.broke = not backend.broke, True
+            if first:
+                raise OSError("the sandbox broke")
+            return run(command, timeout)  # logs it
+
+        sandbox.run = run_or_break
+        return sandbox
+
+
+def test_a_stream_that_fails_stops_the_others_and_its_error_is_raised(model, engine):
+    # every reply's first line runs as a command (command_per_line), so each turn runs one per episode
+    cfg = EpisodeConfig(max_turns=5, max_new_tokens=4, temperature=0.0, command_per_line=True, **PREFIX)
+    jobs = [Job(i, 3, i, SEEDS[i // 2], 0, 17) for i in range(4)]  # two streams of 2 members x 2 tasks
+    played = FakeBackend()
+    play_cohort(engine, model.params, jobs, tasks(2), played, cfg, ES, streams=2)
+    assert len(played.log) == 5 * 8  # left alone, every episode runs its 5 turns
+
+    backend = OneCommandBreaks()
+    with pytest.raises(OSError, match="the sandbox broke"):  # not the Cancelled it causes in the other stream
+        play_cohort(engine, model.params, jobs, tasks(2), backend, cfg, ES, streams=2)
+    # The other stream stops at a turn boundary soon after, instead of playing its 4 episodes x 5 turns.
+    assert len(backend.log) < 4 * 5
+    assert len(backend.sandboxes) == 8 and backend.all_closed()

@@ -38,6 +38,22 @@ def make_pool(cfg, job_fn, clock):
     return RolloutPool(coord, store, job_fn, clock=clock, poll_seconds=0.005), store, coord
 
 
+def test_scopes_nest_and_either_event_cancels_the_inner_block():
+    job, batch = threading.Event(), threading.Event()
+    assert not cancel.requested()  # outside any job: never cancelled
+    with cancel.scope(job):
+        with cancel.scope(batch):
+            cancel.check()
+            job.set()
+            assert cancel.requested()
+            with pytest.raises(cancel.Cancelled, match="no longer be accepted"):
+                cancel.check()
+        job.clear()
+        batch.set()  # the inner scope is gone: its event no longer counts
+        assert not cancel.requested()
+    assert not cancel.requested()
+
+
 def test_the_episode_runner_stops_at_the_next_turn_boundary_and_closes_every_sandbox():
     backend, event, calls = FakeBackend(), threading.Event(), []
 

@@ -15,7 +15,7 @@ import contextvars
 import threading
 from typing import Iterator
 
-_EVENT: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("asyncres_cancel", default=None)
+_EVENTS: contextvars.ContextVar[tuple[threading.Event, ...]] = contextvars.ContextVar("asyncres_cancel", default=())
 
 
 class Cancelled(Exception):
@@ -24,17 +24,17 @@ class Cancelled(Exception):
 
 @contextlib.contextmanager
 def scope(event: threading.Event) -> Iterator[threading.Event]:
-    """Run the block as a job that `event` cancels (this thread only; threads it starts are not covered)."""
-    token = _EVENT.set(event)
+    """Run the block as a job that `event` cancels (this thread only; threads it starts are not covered). Scopes
+    nest: inside another scope, either event cancels the block."""
+    token = _EVENTS.set(_EVENTS.get() + (event,))
     try:
         yield event
     finally:
-        _EVENT.reset(token)
+        _EVENTS.reset(token)
 
 
 def requested() -> bool:
-    event = _EVENT.get()
-    return event is not None and event.is_set()
+    return any(event.is_set() for event in _EVENTS.get())
 
 
 def check(what: str = "job") -> None:

@@ -36,6 +36,7 @@ import numpy as np
 from asyncres_jax.errors import UserError
 from asyncres_jax.es.config import ESConfig
 from asyncres_jax.es.population import LowRankPopulation
+from asyncres_jax.rollout import cancel
 from asyncres_jax.rollout.coordinator import Job, JobResult
 from asyncres_jax.rollout.episodes import (COUNTS, PHASES, EpisodeConfig, EpisodeResult, ModelPolicy, add_phases,
                                            fitness_of, format_transcript, played, run_episodes)
@@ -99,6 +100,7 @@ def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backe
     batch in its own thread, all at once: one XLA program keeps a 2-core CPU only partly busy, two use it better. A
     row's numbers do not depend on its batch mates, so every episode is the one the whole batch plays. `work`
     then gets the groups' mean phases; the time a group waits for a slower one is in no phase (it is waiting).
+    A group that fails stops the others at their next turn boundary, and its error is the one raised.
     """
     if es_cfg.noise != "lowrank":
         raise UserError(f"cohort batching needs low-rank noise (es.noise=lowrank), got es.noise={es_cfg.noise!r}")
@@ -114,11 +116,25 @@ def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backe
     if len(groups) == 1:
         return play(list(jobs), work=work)
     works = [dict.fromkeys(PHASES, 0.0) for _ in groups]
+    failed = threading.Event()  # a group that fails stops the others at their next turn boundary
+
+    def play_group(group_jobs, work):
+        with cancel.scope(failed):
+            try:
+                return play(group_jobs, work=work)
+            except BaseException as e:
+                if not isinstance(e, cancel.Cancelled):
+                    failed.set()
+                raise
+
     with cf.ThreadPoolExecutor(len(groups), thread_name_prefix="cohort-stream") as pool:
         # each thread runs in a copy of this context, so a cancelled job (rollout.cancel) stops every group
-        futures = [pool.submit(contextvars.copy_context().run, play, [jobs[i] for i in g], work=w)
+        futures = [pool.submit(contextvars.copy_context().run, play_group, [jobs[i] for i in g], w)
                    for g, w in zip(groups, works)]
-        members = [m for f in futures for m in f.result()]
+        errors = [f.exception() for f in futures]
+    for e in sorted((e for e in errors if e is not None), key=lambda e: isinstance(e, cancel.Cancelled)):
+        raise e  # the failure itself before the cancellations it caused
+    members = [m for f in futures for m in f.result()]
     if work is not None:
         add_phases(work, {k: sum(w[k] for w in works) / len(works) for k in PHASES})
         add_phases(work, {k: sum(w.get(k, 0) for w in works) for k in COUNTS})
