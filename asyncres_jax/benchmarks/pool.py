@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 import types
@@ -107,6 +108,7 @@ def member_seed(global_seed: int, version: int, member: int) -> int:
     return int(np.random.SeedSequence([global_seed, version, member]).generate_state(1)[0])
 
 
+@functools.cache  # one per scenario and bound, however many schedules and backends share them
 def best_vs_ideal(name: str, sc: Scenario, max_staleness: int, samples: int = 20_000) -> float:
     """The least seconds per update against the ideal that an async schedule can reach on this scenario's job
     durations (rollout.simulate.best_useful_fraction: no idle worker, durations unknown until a job ends)."""

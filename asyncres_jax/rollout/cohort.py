@@ -131,9 +131,9 @@ def play_cohort(engine, params, jobs: Sequence[Job], tasks: Sequence[Any], backe
         # each thread runs in a copy of this context, so a cancelled job (rollout.cancel) stops every group
         futures = [pool.submit(contextvars.copy_context().run, play_group, [jobs[i] for i in g], w)
                    for g, w in zip(groups, works)]
-        errors = [f.exception() for f in futures]
-    for e in sorted((e for e in errors if e is not None), key=lambda e: isinstance(e, cancel.Cancelled)):
-        raise e  # the failure itself before the cancellations it caused
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+    if errors:  # the failure itself before the cancellations it caused
+        raise next((e for e in errors if not isinstance(e, cancel.Cancelled)), errors[0])
     members = [m for f in futures for m in f.result()]
     if work is not None:
         add_phases(work, {k: sum(w[k] for w in works) / len(works) for k in PHASES})
